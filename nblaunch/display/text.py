@@ -1,0 +1,96 @@
+"""Plain-text display: every event as a line tagged with its rank.
+
+Used in terminals, scripts, CI and frontends without a widget manager. It prints from the
+launching thread, so in a notebook the lines land in the cell that launched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from nblaunch.events import (
+    Event,
+    LaunchFinished,
+    LaunchStarted,
+    Metrics,
+    Output,
+    Progress,
+    RankFinished,
+    RankState,
+    Stacks,
+)
+
+_REDRAW_EVERY_S = 2.0  # progress bars and \r-lines: a line every so often, not every redraw
+_METRICS_EVERY_S = 1.0
+
+
+class TextDisplay:
+    """Prints ``[rank r] ...`` lines; ranks' stderr goes to the launcher's stderr."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
+        self._out = out
+        self._err = err
+        self._last_shown: dict[tuple, float] = {}
+        self._last_metrics: dict[int, tuple[dict, int | None]] = {}
+
+    # Resolved per call: in a notebook sys.stdout is swapped per cell.
+    def _stream(self, stream: str) -> TextIO:
+        if stream == "stderr":
+            return self._err or sys.stderr
+        return self._out or sys.stdout
+
+    def _due(self, key: tuple, every: float) -> bool:
+        now = time.monotonic()
+        if now - self._last_shown.get(key, -every) >= every:
+            self._last_shown[key] = now
+            return True
+        return False
+
+    def _print(self, text: str, stream: str = "stdout") -> None:
+        out = self._stream(stream)
+        out.write(text + "\n")
+        out.flush()
+
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, Output):
+            if event.transient and not self._due(("line", event.rank), _REDRAW_EVERY_S):
+                return
+            prefix = f"[rank {event.rank}] "
+            self._print("\n".join(prefix + line for line in event.lines), event.stream)
+        elif isinstance(event, LaunchStarted):
+            self._print(
+                f"nblaunch: {event.function_name} on {event.num_processes} process(es) ({event.devices}), "
+                f"{event.start_method}: {event.start_reason}; rendezvous {event.master_addr}:{event.master_port}"
+                + (f"; logs in {event.log_dir}" if event.log_dir else "")
+            )
+        elif isinstance(event, Progress):
+            if event.closed or self._due(("bar", event.rank, event.bar_id), _REDRAW_EVERY_S):
+                of = f"/{event.total:g}" if event.total else ""
+                self._print(f"[rank {event.rank}] {event.desc + ': ' if event.desc else ''}{event.n:g}{of}")
+        elif isinstance(event, Metrics):
+            self._last_metrics[event.rank] = (event.values, event.step)
+            if self._due(("metrics", event.rank), _METRICS_EVERY_S):
+                self._print_metrics(event.rank, event.values, event.step)
+                self._last_metrics.pop(event.rank)
+        elif isinstance(event, Stacks):
+            body = "\n".join(f"[rank {event.rank}]   {line}" for line in event.text.rstrip().splitlines())
+            self._print(f"[rank {event.rank}] stack where it was stopped:\n{body}", "stderr")
+        elif isinstance(event, RankFinished):
+            if event.state == RankState.FAILED:
+                self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")
+            elif event.state == RankState.STOPPED:
+                self._print(f"[rank {event.rank}] stopped: {event.detail}", "stderr")
+        elif isinstance(event, LaunchFinished):
+            for rank, (values, step) in sorted(self._last_metrics.items()):
+                self._print_metrics(rank, values, step)  # the latest values are never skipped
+            self._last_metrics.clear()
+            self._print(f"nblaunch: {event.summary}", "stdout" if event.state == RankState.DONE else "stderr")
+
+    def _print_metrics(self, rank: int, values: dict, step: int | None) -> None:
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        self._print(f"[rank {rank}] {'step %d: ' % step if step is not None else ''}{shown}")
+
+    def close(self) -> None:
+        pass

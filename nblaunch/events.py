@@ -1,0 +1,128 @@
+"""The event stream from a launch to whatever displays it.
+
+The supervisor turns everything the workers do (lines of output, progress, metrics, results,
+failures, stacks) into these events and hands them to a display. A display only needs
+``on_event(event)`` and ``close()``; it never learns where the events came from, so the text
+printer, the notebook widget and a test recorder are interchangeable.
+
+Events are plain frozen dataclasses: cheap to create, safe to keep, easy to assert on.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class RankState(str, enum.Enum):
+    """Life cycle of one rank as the launcher sees it."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"  # stopped by the launcher (another rank failed, interrupt, timeout)
+
+
+@dataclass(frozen=True)
+class LaunchStarted:
+    """The plan of a launch, sent once before any worker starts."""
+
+    function_name: str
+    num_processes: int
+    world_size: int
+    node_rank: int
+    start_method: str
+    start_reason: str
+    master_addr: str
+    master_port: int
+    devices: str
+    log_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    rank: int  # local rank on this node
+    pid: int
+
+
+@dataclass(frozen=True)
+class Output:
+    """Whole lines a rank wrote, in order, without their line endings.
+
+    Lines come in batches (all that one read from the rank's pipe held) because a rank can
+    print 100k lines and an event per line would cost more than the printing.
+    ``stream`` is "stdout" or "stderr". ``transient`` marks a batch of one line that ended in a
+    carriage return (a progress bar redrawing itself): the next line replaces it.
+    """
+
+    rank: int
+    stream: str
+    lines: tuple[str, ...]
+    transient: bool = False
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress of one rank's loop (from tqdm in the worker or ``nblaunch.progress``)."""
+
+    rank: int
+    bar_id: int
+    n: float
+    total: float | None
+    desc: str = ""
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Values a rank logged with ``Accelerator.log`` (or ``nblaunch.worker.channel.log_metrics``)."""
+
+    rank: int
+    values: dict[str, float]
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """Where every thread of a rank was when the launcher asked (interrupt, timeout, failure)."""
+
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class RankFinished:
+    """A rank reached a final state. ``detail`` says why for failed and stopped ranks."""
+
+    rank: int
+    state: RankState
+    detail: str = ""
+    exitcode: int | None = None
+
+
+@dataclass(frozen=True)
+class LaunchFinished:
+    """The launch is over: every rank is reaped. ``error`` is what the launcher is about to raise."""
+
+    state: RankState
+    elapsed_s: float
+    results: list[Any] | None = None
+    error: BaseException | None = None
+    root_cause_rank: int | None = None
+    summary: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Event = (
+    LaunchStarted | RankStarted | Output | Progress | Metrics | Stacks | RankFinished | LaunchFinished
+)
+
+
+class Display(Protocol):
+    """Anything that can show a launch: it receives every event, in order, on one thread."""
+
+    def on_event(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The launcher side: plan, start, supervise and tear down a launch."""

@@ -1,0 +1,54 @@
+"""What accelerators this machine has, found without initialising CUDA in the launcher.
+
+``torch.cuda.device_count()`` may initialise the driver, after which forking breaks CUDA in
+the children. NVML answers the same question without touching the CUDA runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def _nvml_device_count() -> int:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0  # no NVIDIA driver on this machine
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    try:
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return 0
+        return count.value
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _visible_limit(physical: int) -> int:
+    """Apply CUDA_VISIBLE_DEVICES as the CUDA runtime does: entries up to the first invalid one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return physical
+    count = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return min(count, physical)
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices this process may use, without initialising CUDA."""
+    return _visible_limit(_nvml_device_count())
+
+
+def cuda_initialized() -> bool:
+    """True if this process has already initialised CUDA (so it must not fork)."""
+    torch = sys.modules.get("torch")  # not imported means not initialised
+    return bool(torch is not None and torch.cuda.is_initialized())

@@ -1,0 +1,98 @@
+"""What a launch raises, and why.
+
+- :class:`LaunchConfigError`: bad input, raised before any process starts.
+- :class:`RankFailedError`: one or more ranks failed; the root cause comes first and the
+  original exception (with its remote traceback) is chained as ``__cause__``.
+- :class:`LaunchTimeoutError`: ``timeout=`` ran out; carries every rank's stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class LaunchConfigError(ValueError):
+    """The launch was refused before any process started; the message says what to change."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, as text, chained below the exception."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+class RemoteError(Exception):
+    """Stands in for a worker's exception whose type cannot be rebuilt in the launcher."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+
+
+@dataclass
+class RankFailure:
+    """How one rank failed."""
+
+    rank: int
+    reason: str  # one line: "ValueError: boom", "killed by SIGKILL (likely out of memory)", ...
+    exception: BaseException | None = None  # rebuilt from the worker, chained with its traceback
+    traceback: str = ""
+    exitcode: int | None = None
+    signal_name: str | None = None
+    collateral: bool = False  # a communication error that another rank's failure likely caused
+    log_tail: list[str] = field(default_factory=list)  # last lines of its output, for crashes
+
+
+class RankFailedError(RuntimeError):
+    """One or more ranks failed. ``failures[0]`` is the root cause (the first to fail).
+
+    Example::
+
+        try:
+            notebook_launcher(train, num_processes=2)
+        except RankFailedError as err:
+            print(err.root_cause.rank, err.root_cause.reason)
+    """
+
+    def __init__(self, failures: list[RankFailure], stacks: dict[int, str] | None = None):
+        self.failures = failures
+        self.stacks = stacks or {}
+        super().__init__(self._message())
+
+    @property
+    def root_cause(self) -> RankFailure:
+        return self.failures[0]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+    def _message(self) -> str:
+        first = self.failures[0]
+        lines = [f"rank {first.rank} failed: {first.reason}"]
+        if first.traceback:
+            lines += ["", first.traceback.rstrip()]
+        if first.log_tail:
+            lines += ["", f"last lines of rank {first.rank}:"] + [f"  {t}" for t in first.log_tail]
+        for other in self.failures[1:]:
+            note = " (likely a consequence of rank %d)" % first.rank if other.collateral else ""
+            lines.append(f"rank {other.rank} also failed{note}: {other.reason}")
+        return "\n".join(lines)
+
+
+class LaunchTimeoutError(TimeoutError):
+    """The launch ran past ``timeout=``; every rank was stopped. ``stacks`` says where each was."""
+
+    def __init__(self, timeout: float, stacks: dict[int, str]):
+        self.timeout = timeout
+        self.stacks = stacks
+        where = "\n".join(f"rank {r}:\n{text.rstrip()}" for r, text in sorted(stacks.items()))
+        super().__init__(
+            f"the launch did not finish within timeout={timeout:g} s; every rank was stopped."
+            + (f"\nWhere the ranks were:\n{where}" if where else "")
+        )

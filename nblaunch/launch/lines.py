@@ -1,0 +1,43 @@
+"""Cutting a rank's byte stream into whole lines."""
+
+from __future__ import annotations
+
+import re
+
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
+class LineSplitter:
+    """Feed it bytes as they come; get back whole lines and the last carriage-return line.
+
+    A line ended by ``\\r`` alone is a progress bar redrawing itself: it is returned separately
+    as ``transient`` so a display can overwrite it instead of keeping every redraw.
+    """
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> tuple[list[str], str | None]:
+        data = self._pending + data
+        lines: list[str] = []
+        transient = None
+        start = 0
+        for match in _LINE_END.finditer(data):
+            end = match.end()
+            if match.group() == b"\r" and end == len(data):
+                break  # might be the first half of \r\n: wait for the next chunk
+            text = data[start : match.start()].decode("utf-8", "replace")
+            if match.group() == b"\r":
+                transient = text or transient  # "\r" right after a line end redraws nothing yet
+            else:
+                lines.append(text)
+                transient = None
+            start = end
+        self._pending = data[start:]
+        return lines, transient
+
+    def flush(self) -> list[str]:
+        """At EOF: whatever is left, as a last line (a rank need not end with a newline)."""
+        rest, self._pending = self._pending, b""
+        text = rest.rstrip(b"\r").decode("utf-8", "replace")
+        return [text] if text else []

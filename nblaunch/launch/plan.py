@@ -1,0 +1,181 @@
+"""Deciding how a launch will run, from the user's arguments and what this machine has.
+
+All checks happen here, before any process starts: a refused launch leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nblaunch.display import DISPLAY_CHOICES
+from nblaunch.launch import devices, ports
+from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.launch.threads import threads_per_worker
+
+MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
+START_METHODS = ("fork", "spawn")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one launch runs: who, where, how it starts, where the ranks meet."""
+
+    function_name: str
+    num_processes: int  # ranks on this node
+    num_nodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    start_method: str
+    start_reason: str
+    device_kind: str  # "cpu" or "cuda"
+    threads: int | None
+    mixed_precision: str
+    force_cpu: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def devices(self) -> str:
+        if self.device_kind == "cuda":
+            return f"{self.num_processes} CUDA device(s)"
+        threads = f", {self.threads} thread(s) each" if self.threads else ""
+        return f"CPU{threads}"
+
+    def rank_environ(self, local_rank: int) -> dict[str, str]:
+        """The variables torch.distributed (and our Accelerator) read in rank ``local_rank``."""
+        env = {
+            "RANK": str(self.node_rank * self.num_processes + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.num_processes),
+            "NODE_RANK": str(self.node_rank),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "NBLAUNCH_MIXED_PRECISION": self.mixed_precision,
+        }
+        if self.force_cpu:
+            env["NBLAUNCH_FORCE_CPU"] = "1"
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LaunchConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _port(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        port = int(value)  # Accelerate's callers pass strings such as "29500"
+    except (TypeError, ValueError):
+        port = -1
+    if isinstance(value, bool) or not 0 < port < 65536:
+        raise LaunchConfigError(f"use_port must be a port number (1-65535) or None for a free port, got {value!r}")
+    return port
+
+
+def _start_method(requested: str | None, force_cpu: bool) -> tuple[str, str]:
+    if requested is not None and requested not in START_METHODS:
+        raise LaunchConfigError(f"start_method must be None (choose for me), 'fork' or 'spawn', got {requested!r}")
+    cuda_in_parent = not force_cpu and devices.cuda_initialized()
+    if requested == "spawn":
+        return "spawn", "asked for with start_method='spawn'"
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        if requested == "fork":
+            raise LaunchConfigError(f"start_method='fork' is not safe on {sys.platform}; use start_method=None")
+        return "spawn", f"fork is not safe on {sys.platform}"
+    if cuda_in_parent:
+        if requested == "fork":
+            raise LaunchConfigError(
+                "start_method='fork' would break CUDA in the workers: CUDA is already initialised in this "
+                "process. Use start_method=None (nblaunch then spawns), or move the CUDA code into the function."
+            )
+        return "spawn", "CUDA is already initialised in this process, and forked workers could not use it"
+    if requested == "fork":
+        return "fork", "asked for with start_method='fork'"
+    return "fork", "fastest, and the workers share this process's memory"
+
+
+def make_plan(
+    function: Callable,
+    args: Any,
+    num_processes: Any,
+    mixed_precision: Any,
+    use_port: Any,
+    master_addr: Any,
+    node_rank: Any,
+    num_nodes: Any,
+    start_method: Any,
+    timeout: Any,
+    display: Any,
+    force_cpu: bool,
+) -> LaunchPlan:
+    """Check every argument and decide how to launch; raises LaunchConfigError on bad input."""
+    if not callable(function):
+        raise LaunchConfigError(f"function must be callable (the training function to run), got {type(function).__name__}")
+    if not isinstance(args, tuple):
+        raise LaunchConfigError(f"args must be a tuple of arguments for the function, got {type(args).__name__}; e.g. args=(lr,)")
+    num_nodes = _positive_int("num_nodes", num_nodes)
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
+        raise LaunchConfigError(f"node_rank must be an int in 0..num_nodes-1 (num_nodes={num_nodes}), got {node_rank!r}")
+    if not isinstance(mixed_precision, str) or mixed_precision.lower() not in MIXED_PRECISION_CHOICES:
+        raise LaunchConfigError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
+    mixed_precision = mixed_precision.lower()
+    if not isinstance(master_addr, str) or not master_addr:
+        raise LaunchConfigError(f"master_addr must be a host name or address, got {master_addr!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise LaunchConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if isinstance(display, str) and display not in DISPLAY_CHOICES:
+        raise LaunchConfigError(f"display must be one of {', '.join(DISPLAY_CHOICES)}, got {display!r}")
+    port = _port(use_port)
+    if port is None and num_nodes > 1:
+        raise LaunchConfigError(
+            "with num_nodes > 1, every node must agree on the port: pass the same use_port=... on every node"
+        )
+
+    gpus = 0 if force_cpu else devices.cuda_device_count()
+    if num_processes is None:
+        if gpus < 2:
+            found = "1 GPU" if gpus == 1 else "no GPU"
+            raise LaunchConfigError(
+                f"num_processes=None uses one process per accelerator, but this machine has {found}. "
+                "Pass num_processes=N: e.g. num_processes=2 runs 2 CPU processes."
+            )
+        num_processes = gpus
+    num_processes = _positive_int("num_processes", num_processes)
+    device_kind = "cuda" if gpus else "cpu"
+    if device_kind == "cuda" and num_processes > gpus:
+        raise LaunchConfigError(
+            f"num_processes={num_processes} but only {gpus} GPU(s) are visible: pass num_processes<={gpus}, "
+            "or use debug_launcher to run more processes on the CPU."
+        )
+    if mixed_precision == "fp8" and device_kind != "cuda":
+        raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs; on the CPU use 'bf16' or 'no'")
+    method, reason = _start_method(start_method, force_cpu)
+    master_port = ports.choose_port(master_addr, port, hosted_here=node_rank == 0)
+    if port is None and num_nodes == 1:
+        reason += "; free port chosen"
+    return LaunchPlan(
+        function_name=getattr(function, "__qualname__", None) or repr(function),
+        num_processes=num_processes,
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        start_method=method,
+        start_reason=reason,
+        device_kind=device_kind,
+        threads=threads_per_worker(num_processes),
+        mixed_precision=mixed_precision,
+        force_cpu=force_cpu,
+    )

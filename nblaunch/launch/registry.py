@@ -1,0 +1,105 @@
+"""A small on-disk registry of running launches, to find ranks an earlier kernel left behind.
+
+Ranks normally die with their launcher (PR_SET_PDEATHSIG), but not everywhere (not on macOS,
+not if the launching thread outlived the kernel's death in odd ways, not the processes a rank
+started in a session of their own). Each launch writes one JSON file naming its launcher and
+its ranks, with their start times so a reused pid is never mistaken for a rank. A new launch
+stops the ranks of any launch whose launcher is gone, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from dataclasses import dataclass
+
+
+def registry_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "launches")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3 (state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, start_time: int | None) -> bool:
+    return start_time is not None and process_start_time(pid) == start_time
+
+
+@dataclass
+class LaunchRecord:
+    """One running launch, as written to disk."""
+
+    launch_id: str
+    launcher_pid: int
+    port: int
+    ranks: list[tuple[int, int | None]]  # (pid, start time) of each rank
+
+    @property
+    def path(self) -> str:
+        return os.path.join(registry_dir(), f"{self.launch_id}.json")
+
+    def save(self) -> None:
+        record = {
+            "launcher": [self.launcher_pid, process_start_time(self.launcher_pid)],
+            "port": self.port,
+            "ranks": self.ranks,
+        }
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as out:
+            json.dump(record, out)
+        os.replace(tmp, self.path)  # never a half-written record
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def stop_stale_ranks() -> list[str]:
+    """Kill ranks whose launcher is gone; return one message per launch cleaned up."""
+    messages = []
+    directory = registry_dir()
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            launcher_pid, launcher_start = record["launcher"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not ours
+        if _alive(launcher_pid, launcher_start):
+            continue  # a live launch of another kernel: not ours to touch
+        stopped = []
+        for pid, start in record["ranks"]:
+            if _alive(pid, start):
+                for send in (os.killpg, os.kill):
+                    try:
+                        send(pid, signal.SIGKILL)
+                        break
+                    except (ProcessLookupError, PermissionError):
+                        continue
+                stopped.append(pid)
+        if stopped:
+            messages.append(
+                f"stopped {len(stopped)} stale rank(s) (pids {', '.join(map(str, stopped))}) left by an "
+                f"earlier launch of process {launcher_pid} that no longer exists (port {record['port']})"
+            )
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return messages

@@ -1,0 +1,300 @@
+"""Watching the ranks of one launch until every one of them is reaped.
+
+One thread, one ``select`` over every rank's pipes and exit notifications: output becomes
+``Output`` events, frames become results, failures, metrics, progress and stacks. The first
+failure, an interrupt or the timeout stops the launch the same way: ask every live rank for its
+stack (briefly), SIGKILL every rank's process group (a rank blocked in a C++ collective cannot
+run a Python handler; SIGKILL needs none), reap them all, close every pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import time
+from collections import deque
+from typing import Any, Callable
+
+from nblaunch import wire
+from nblaunch.events import (
+    Event,
+    Metrics,
+    Output,
+    Progress,
+    RankFinished,
+    RankStarted,
+    RankState,
+    Stacks,
+)
+from nblaunch.launch.errors import (
+    LaunchTimeoutError,
+    RankFailedError,
+    RankFailure,
+    RemoteError,
+    RemoteTraceback,
+)
+from nblaunch.launch.lines import LineSplitter
+from nblaunch.launch.workers import WorkerProcess
+
+_READ_SIZE = 1 << 20
+_POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
+_STACKS_ON_FAILURE_S = 0.5  # a healthy rank answers in milliseconds; don't hold up teardown
+_STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
+_FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (GIL held in C)
+_REAP_BACKSTOP_S = 10.0
+_LOG_TAIL = 20
+
+_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT = "stdout", "stderr", "events", "exit"
+
+
+class _Rank:
+    """What the supervisor knows about one rank."""
+
+    def __init__(self, worker: WorkerProcess):
+        self.worker = worker
+        self.frames = wire.FrameReader()
+        self.splitters = {_FD_STDOUT: LineSplitter(), _FD_STDERR: LineSplitter()}
+        self.tail: deque[str] = deque(maxlen=_LOG_TAIL)
+        self.has_result = False
+        self.result: Any = None
+        self.failure: RankFailure | None = None
+        self.failed_at: float | None = None
+        self.finished = False
+
+
+class Supervisor:
+    """Runs one launch's ranks to the end and returns their results in rank order."""
+
+    def __init__(self, workers: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None):
+        self._emit = emit
+        self._timeout = timeout
+        self._ranks = {w.rank: _Rank(w) for w in workers}
+        self._selector = selectors.DefaultSelector()
+        self._stacks: dict[int, str] = {}
+        self._stopping = False
+        for rank in self._ranks.values():
+            w = rank.worker
+            for fd, kind in ((w.stdout_fd, _FD_STDOUT), (w.stderr_fd, _FD_STDERR), (w.event_fd, _FD_EVENTS)):
+                self._selector.register(fd, selectors.EVENT_READ, (rank, kind))
+            if w.exit_fd is not None:
+                self._selector.register(w.exit_fd, selectors.EVENT_READ, (rank, _FD_EXIT))
+            emit(RankStarted(rank=w.rank, pid=w.pid))
+
+    # ----------------------------------------------------------------------------- main loop
+    def run(self) -> list[Any]:
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        try:
+            while self._live():
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._pump(wait)
+                if self._failures() and not self._stopping:
+                    self._stop(_STACKS_ON_FAILURE_S, fallback=False)
+                elif deadline is not None and time.monotonic() >= deadline and not self._stopping:
+                    self._stop(_STACKS_ON_STOP_S, fallback=True)
+                    raise LaunchTimeoutError(self._timeout, dict(self._stacks))
+        except KeyboardInterrupt:
+            if not self._stopping:
+                self._stop(_STACKS_ON_STOP_S, fallback=True)
+            raise
+        finally:
+            self._teardown()
+        failures = self._failures()
+        if failures:
+            raise self._failure_error(failures)
+        return [self._ranks[r].result for r in sorted(self._ranks)]
+
+    @property
+    def stacks(self) -> dict[int, str]:
+        return dict(self._stacks)
+
+    def _live(self) -> list[_Rank]:
+        return [r for r in self._ranks.values() if not r.finished]
+
+    def _failures(self) -> list[_Rank]:
+        return [r for r in self._ranks.values() if r.failure is not None]
+
+    # ----------------------------------------------------------------------------- I/O
+    def _pump(self, wait: float | None) -> None:
+        """Handle whatever is ready within ``wait`` seconds (None: until something happens)."""
+        no_pidfd = any(r.worker.exit_fd is None for r in self._live())
+        if no_pidfd:
+            wait = _POLL_WITHOUT_PIDFD_S if wait is None else min(wait, _POLL_WITHOUT_PIDFD_S)
+        for key, _ in self._selector.select(wait):
+            rank, kind = key.data
+            if kind == _FD_EXIT:
+                self._on_exit(rank)
+            else:
+                self._read(rank, kind, key.fd)
+        if no_pidfd:
+            for rank in self._live():
+                if rank.worker.exit_fd is None and rank.worker.poll() is not None:
+                    self._on_exit(rank)
+
+    def _read(self, rank: _Rank, kind: str, fd: int) -> bool:
+        """Read one chunk; False at EOF or when nothing was there."""
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except BlockingIOError:
+            return False
+        if not data:
+            self._selector.unregister(fd)
+            if kind != _FD_EVENTS:
+                self._emit_lines(rank, kind, rank.splitters[kind].flush(), None)
+            return False
+        if kind == _FD_EVENTS:
+            for frame_kind, body in rank.frames.feed(data):
+                self._on_frame(rank, frame_kind, body)
+        else:
+            lines, transient = rank.splitters[kind].feed(data)
+            self._emit_lines(rank, kind, lines, transient)
+        return True
+
+    def _emit_lines(self, rank: _Rank, stream: str, lines: list[str], transient: str | None) -> None:
+        r = rank.worker.rank
+        if lines:
+            rank.tail.extend(lines)
+            self._emit(Output(rank=r, stream=stream, lines=tuple(lines)))
+        if transient is not None:
+            self._emit(Output(rank=r, stream=stream, lines=(transient,), transient=True))
+
+    def _drain(self, rank: _Rank) -> None:
+        """Read everything a dead rank left in its pipes (its result may be the last of it)."""
+        w = rank.worker
+        for fd, kind in ((w.event_fd, _FD_EVENTS), (w.stdout_fd, _FD_STDOUT), (w.stderr_fd, _FD_STDERR)):
+            if fd in self._selector.get_map():
+                while self._read(rank, kind, fd):
+                    pass
+        for fd in list(self._selector.get_map()):
+            if self._selector.get_key(fd).data[0] is rank:
+                self._selector.unregister(fd)
+        for kind, splitter in rank.splitters.items():
+            self._emit_lines(rank, kind, splitter.flush(), None)
+
+    # ----------------------------------------------------------------------------- frames
+    def _on_frame(self, rank: _Rank, kind: bytes, body: bytes) -> None:
+        r = rank.worker.rank
+        if kind == wire.RESULT:
+            try:
+                rank.result = pickle.loads(body)
+                rank.has_result = True
+            except Exception as error:
+                self._fail(rank, RankFailure(r, f"its return value could not be unpickled here: {error!r}"))
+        elif kind == wire.ERROR:
+            report = pickle.loads(body)
+            self._fail(rank, _failure_from_report(r, report), report["time"])
+        elif kind == wire.METRICS:
+            values, step = pickle.loads(body)
+            self._emit(Metrics(rank=r, values=values, step=step))
+        elif kind == wire.PROGRESS:
+            bar_id, n, total, desc, closed = pickle.loads(body)
+            self._emit(Progress(rank=r, bar_id=bar_id, n=n, total=total, desc=desc, closed=closed))
+        elif kind == wire.STACKS:
+            self._stacks[r] = body.decode("utf-8", "replace")
+            self._emit(Stacks(rank=r, text=self._stacks[r]))
+
+    def _fail(self, rank: _Rank, failure: RankFailure, when: float | None = None) -> None:
+        if rank.failure is None:
+            rank.failure = failure
+            rank.failed_at = time.monotonic() if when is None else when
+
+    # ----------------------------------------------------------------------------- exits
+    def _on_exit(self, rank: _Rank) -> None:
+        code = rank.worker.wait()
+        self._drain(rank)
+        rank.finished = True
+        w = rank.worker
+        w.signal_group(signal.SIGKILL)  # whatever it started (DataLoader workers) goes with it
+        if rank.has_result and rank.failure is None:
+            self._emit(RankFinished(rank=w.rank, state=RankState.DONE, exitcode=code))
+            return
+        if rank.failure is None:
+            if w.killed_by_launcher:
+                self._emit(RankFinished(rank=w.rank, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
+                return
+            self._fail(rank, _failure_from_exit(w.rank, code, list(rank.tail)))
+        failure = rank.failure
+        failure.exitcode = code
+        detail = failure.reason + ("\n" + failure.traceback if failure.traceback else "")
+        self._emit(RankFinished(rank=w.rank, state=RankState.FAILED, detail=detail, exitcode=code))
+
+    # ----------------------------------------------------------------------------- stopping
+    def _stop(self, stack_budget: float, *, fallback: bool) -> None:
+        """Collect the live ranks' stacks within ``stack_budget`` seconds, then kill them all."""
+        self._stopping = True
+        asked = [r for r in self._live() if r.failure is None]
+        for rank in asked:
+            rank.worker.request_stacks()
+        self._pump_until(lambda: all(r.finished or r.worker.rank in self._stacks for r in asked), stack_budget)
+        silent = [r for r in asked if not r.finished and r.worker.rank not in self._stacks]
+        if fallback and silent:
+            for rank in silent:  # faulthandler dumps from C, into the rank's stderr
+                try:
+                    os.kill(rank.worker.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
+        for rank in self._live():
+            rank.worker.kill()
+
+    def _pump_until(self, done: Callable[[], bool], budget: float) -> None:
+        end = time.monotonic() + budget
+        while not done() and self._live():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._pump(left)
+
+    def _teardown(self) -> None:
+        """Kill and reap every rank, close every pipe. Runs on every path out of ``run``."""
+        for rank in self._live():
+            rank.worker.kill()
+        end = time.monotonic() + _REAP_BACKSTOP_S
+        while self._live() and time.monotonic() < end:
+            self._pump(0.1)
+        for rank in self._ranks.values():
+            if not rank.finished:  # stuck in the kernel (D state) past the backstop: reap blocking
+                rank.worker.wait()
+                rank.finished = True
+            rank.worker.close()
+        self._selector.close()
+
+    def _failure_error(self, failures: list[_Rank]) -> RankFailedError:
+        # The root cause first: a rank's own error before errors that a dead peer caused,
+        # then in the order they happened (the workers' clocks are the same system-wide clock).
+        ordered = sorted(failures, key=lambda r: (r.failure.collateral, r.failed_at))
+        error = RankFailedError([r.failure for r in ordered], self.stacks)
+        error.__cause__ = ordered[0].failure.exception
+        return error
+
+
+def _failure_from_report(rank: int, report: dict) -> RankFailure:
+    exception: BaseException
+    try:
+        exception = pickle.loads(report["exception"]) if report["exception"] else None
+    except Exception:
+        exception = None
+    if exception is None:
+        type_name = report["type"].rsplit(".", 1)[-1]
+        exception = RemoteError(type_name, report["reason"].split(": ", 1)[-1])
+    exception.__cause__ = RemoteTraceback(report["traceback"])
+    return RankFailure(
+        rank=rank,
+        reason=report["reason"],
+        exception=exception,
+        traceback=report["traceback"],
+        collateral=report["collateral"],
+    )
+
+
+def _failure_from_exit(rank: int, code: int, tail: list[str]) -> RankFailure:
+    if code < 0:
+        name = signal.Signals(-code).name
+        reason = f"killed by {name}"
+        if -code == signal.SIGKILL:
+            reason += " (most likely the out-of-memory killer: the machine ran out of memory)"
+        return RankFailure(rank, reason, exitcode=code, signal_name=name, log_tail=tail)
+    if code == 0:
+        return RankFailure(rank, "exited with code 0 without returning (os._exit in the function?)", exitcode=code, log_tail=tail)
+    return RankFailure(rank, f"exited with code {code}", exitcode=code, log_tail=tail)

@@ -1,0 +1,215 @@
+"""Starting worker processes (fork or spawn) and the launcher's handle on each one.
+
+Each rank gets four pipes: its stdout and stderr (fds 1 and 2, so C-level output is caught
+too), an event pipe (results, errors, metrics, progress, stacks) and a control pipe (stack-dump
+requests; EOF tells the rank its launcher is gone). Each rank leads a process group of its own,
+so stopping it also stops the processes it started (DataLoader workers).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import nblaunch
+from nblaunch import wire
+from nblaunch.worker.bootstrap import WorkerSettings, run_forked
+
+_F_SETPIPE_SZ = 1031  # Linux: bigger pipes mean fewer wake-ups for chatty ranks and big results
+_PIPE_SIZE = 1 << 20
+
+# Launcher-side ends of every live launch's pipes. A newly forked rank closes all of them, so a
+# pipe's EOF (and a rank's view of its launcher) never depends on an unrelated rank.
+_LAUNCHER_FDS: set[int] = set()
+_LAUNCHER_FDS_LOCK = threading.Lock()
+
+
+@dataclass
+class WorkerProcess:
+    """The launcher's handle on one running rank."""
+
+    rank: int
+    pid: int
+    stdout_fd: int
+    stderr_fd: int
+    event_fd: int
+    control_fd: int
+    exit_fd: int | None  # a pidfd: readable once the process has exited (None where unsupported)
+    popen: subprocess.Popen | None = None  # spawned ranks only
+    returncode: int | None = None
+    killed_by_launcher: bool = False
+    payload_sender: threading.Thread | None = None  # spawned ranks: still writing the function
+    _open_fds: list[int] = field(default_factory=list)
+
+    def poll(self) -> int | None:
+        """Reap the process if it has exited; returns its return code (-signal if killed)."""
+        if self.returncode is not None:
+            return self.returncode
+        if self.popen is not None:
+            self.returncode = self.popen.poll()
+            return self.returncode
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid == self.pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            if self.popen is not None:
+                self.returncode = self.popen.wait()
+            else:
+                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def request_stacks(self) -> None:
+        if self.payload_sender is not None and self.payload_sender.is_alive():
+            return  # the control pipe is still carrying the payload; the rank has not started
+        try:
+            os.write(self.control_fd, wire.encode(wire.DUMP_STACKS))
+        except OSError:
+            pass  # already gone
+
+    def signal_group(self, signum: int) -> None:
+        """Signal the rank and every process it started. Safe after reaping: a process group's
+        id is not reused while any member lives."""
+        for send in (lambda: os.killpg(self.pid, signum), lambda: os.kill(self.pid, signum)):
+            try:
+                send()
+                return
+            except (ProcessLookupError, PermissionError):
+                continue
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self.killed_by_launcher = True
+        self.signal_group(signal.SIGKILL)
+
+    def close(self) -> None:
+        with _LAUNCHER_FDS_LOCK:
+            for fd in self._open_fds:
+                _LAUNCHER_FDS.discard(fd)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._open_fds.clear()
+
+
+@dataclass
+class _Pipes:
+    stdout: tuple[int, int]
+    stderr: tuple[int, int]
+    events: tuple[int, int]
+    control: tuple[int, int]
+
+    @classmethod
+    def open(cls) -> "_Pipes":
+        pipes = cls(os.pipe(), os.pipe(), os.pipe(), os.pipe())
+        for read_end, _ in (pipes.stdout, pipes.stderr, pipes.events):
+            try:
+                fcntl.fcntl(read_end, _F_SETPIPE_SZ, _PIPE_SIZE)
+            except OSError:
+                pass  # above the system's limit: the default size works, only slower
+        return pipes
+
+    @property
+    def launcher_ends(self) -> list[int]:
+        return [self.stdout[0], self.stderr[0], self.events[0], self.control[1]]
+
+    @property
+    def worker_ends(self) -> list[int]:
+        return [self.stdout[1], self.stderr[1], self.events[1], self.control[0]]
+
+
+def _handle(rank: int, pid: int, pipes: _Pipes, popen: subprocess.Popen | None) -> WorkerProcess:
+    for fd in pipes.worker_ends:
+        os.close(fd)
+    try:
+        exit_fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        exit_fd = None
+    for fd in (pipes.stdout[0], pipes.stderr[0], pipes.events[0]):
+        os.set_blocking(fd, False)
+    launcher_fds = pipes.launcher_ends + ([exit_fd] if exit_fd is not None else [])
+    with _LAUNCHER_FDS_LOCK:
+        _LAUNCHER_FDS.update(launcher_fds)
+    return WorkerProcess(
+        rank=rank,
+        pid=pid,
+        stdout_fd=pipes.stdout[0],
+        stderr_fd=pipes.stderr[0],
+        event_fd=pipes.events[0],
+        control_fd=pipes.control[1],
+        exit_fd=exit_fd,
+        popen=popen,
+        _open_fds=launcher_fds,
+    )
+
+
+def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:
+    """Fork one rank. The child shares the parent's memory (data sets are not copied)."""
+    pipes = _Pipes.open()
+    with _LAUNCHER_FDS_LOCK:
+        to_close = sorted(_LAUNCHER_FDS) + pipes.launcher_ends
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork in a threaded process; a Jupyter kernel always has
+        # threads. The child runs only our bootstrap and the user's function, which is the
+        # same bet torch.multiprocessing's fork makes.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        run_forked(
+            settings,
+            function,
+            args,
+            stdout_fd=pipes.stdout[1],
+            stderr_fd=pipes.stderr[1],
+            event_fd=pipes.events[1],
+            control_fd=pipes.control[0],
+            launcher_fds=to_close,
+        )
+    try:
+        os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
+    except OSError:
+        pass
+    return _handle(settings.rank, pid, pipes, popen=None)
+
+
+def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dict[str, str]) -> WorkerProcess:
+    """Start one rank as a fresh interpreter that receives the cloudpickled function on a pipe."""
+    pipes = _Pipes.open()
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(nblaunch.__file__)))
+    env = dict(environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "nblaunch.worker", str(pipes.control[0]), str(pipes.events[1]), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=pipes.stdout[1],
+        stderr=pipes.stderr[1],
+        pass_fds=(pipes.control[0], pipes.events[1]),
+        env=env,
+        start_new_session=True,  # a process group of its own, like a forked rank
+    )
+    worker = _handle(settings.rank, popen.pid, pipes, popen=popen)
+    payload = wire.encode(wire.PAYLOAD, pickle.dumps((settings, packed_function), protocol=pickle.HIGHEST_PROTOCOL))
+    # A thread, because a large payload fills the pipe before the child starts reading it.
+    worker.payload_sender = threading.Thread(target=_send_payload, args=(worker.control_fd, payload), daemon=True)
+    worker.payload_sender.start()
+    return worker
+
+
+def _send_payload(fd: int, payload: bytes) -> None:
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass  # the rank died before reading it; the supervisor reports that

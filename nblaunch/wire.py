@@ -1,0 +1,71 @@
+"""Framing for the pipes between the launcher and its workers.
+
+A frame is one byte of kind, eight bytes of little-endian length, then the body. Bodies are
+pickles; the framing itself knows nothing about them. Both sides use the same few functions, so
+the format lives in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+HEADER = struct.Struct("<cQ")
+
+# Worker -> launcher
+RESULT = b"R"  # pickled return value of the function
+ERROR = b"E"  # pickled RemoteFailure (see nblaunch.worker.bootstrap)
+METRICS = b"M"  # pickled (values, step)
+PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed)
+STACKS = b"S"  # utf-8 text: every thread's stack
+# Launcher -> worker
+PAYLOAD = b"F"  # spawn only: cloudpickled (function, args, settings)
+DUMP_STACKS = b"D"  # empty body: please answer with a STACKS frame
+
+
+def encode(kind: bytes, body: bytes = b"") -> bytes:
+    return HEADER.pack(kind, len(body)) + body
+
+
+def write_frame(fd: int, kind: bytes, body: bytes = b"") -> None:
+    """Write one whole frame to a blocking file descriptor."""
+    _write_all(fd, memoryview(HEADER.pack(kind, len(body))))
+    if body:
+        _write_all(fd, memoryview(body))
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class FrameReader:
+    """Turns chunks read from a pipe into whole frames, however the chunks were cut."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._need: int | None = None  # body length of the frame being read, once its header is in
+        self._kind = b""
+
+    def feed(self, chunk: bytes) -> list[tuple[bytes, bytes]]:
+        self._buffer += chunk
+        frames = []
+        while True:
+            if self._need is None:
+                if len(self._buffer) < HEADER.size:
+                    break
+                self._kind, self._need = HEADER.unpack_from(self._buffer)
+                del self._buffer[: HEADER.size]
+            if len(self._buffer) < self._need:
+                break
+            body = bytes(self._buffer[: self._need])
+            del self._buffer[: self._need]
+            frames.append((self._kind, body))
+            self._need = None
+        return frames
+
+    @property
+    def mid_frame(self) -> bool:
+        """True while a frame has started but not all of it has arrived."""
+        return self._need is not None or bool(self._buffer)

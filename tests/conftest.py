@@ -1,0 +1,72 @@
+"""Shared fixtures: every test must leave no rank process behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from nblaunch.worker.lifeline import PROCESS_NAME_PREFIX
+
+
+def leftover_ranks(since: float) -> list[psutil.Process]:
+    """Live rank processes that are ours: our descendants, or orphans born since ``since``."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    found = []
+    for proc in psutil.process_iter(["name", "ppid", "create_time", "status"]):
+        info = proc.info
+        if not (info["name"] or "").startswith(PROCESS_NAME_PREFIX) or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        orphan = info["ppid"] in (0, 1) and info["create_time"] >= since - 1
+        if proc.pid in mine or orphan:
+            found.append(proc)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_rank_left_behind():
+    since = time.time()
+    yield
+    # Killed ranks vanish asynchronously: wait for the condition, with a generous backstop.
+    deadline = time.monotonic() + 5
+    while (left := leftover_ranks(since)) and time.monotonic() < deadline:
+        psutil.wait_procs(left, timeout=0.5)
+    assert not leftover_ranks(since), f"rank processes left behind: {leftover_ranks(since)}"
+
+
+class Recorder:
+    """A display that keeps every event, for assertions."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_event(self, event):
+        self.events.append(event)
+
+    def close(self):
+        pass
+
+    def of(self, kind):
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def lines(self, rank, stream="stdout"):
+        from nblaunch.events import Output
+
+        return [line for e in self.of(Output) if e.rank == rank and e.stream == stream and not e.transient for line in e.lines]
+
+
+@pytest.fixture
+def recorder():
+    return Recorder()
+
+
+@pytest.fixture(autouse=True)
+def environ_unchanged():
+    def snapshot():
+        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+    before = snapshot()
+    yield
+    assert snapshot() == before, "the launch changed the parent's os.environ"

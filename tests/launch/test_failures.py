@@ -1,0 +1,144 @@
+"""A failing rank: the others stop at once, and the error blames the right rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nblaunch import LaunchTimeoutError, RankFailedError, RemoteError, notebook_launcher
+from nblaunch.events import RankFinished, RankState, Stacks
+from nblaunch.launch.errors import RemoteTraceback
+
+
+def rank_one_raises_while_rank_zero_waits():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # never answered: rank 1 is gone
+    return "unreachable"
+
+
+def test_an_exception_in_rank_1_stops_rank_0_blocked_in_a_barrier(recorder):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(rank_one_raises_while_rank_zero_waits, num_processes=2, display=recorder)
+    assert time.monotonic() - started < 5
+
+    error = info.value
+    assert error.root_cause.rank == 1
+    assert str(error).startswith("rank 1 failed: ValueError: rank one is broken")
+    original = error.__cause__
+    assert type(original) is ValueError and str(original) == "rank one is broken"
+    assert isinstance(original.__cause__, RemoteTraceback)
+    assert "in rank_one_raises_while_rank_zero_waits" in original.__cause__.text
+    assert 'raise ValueError("rank one is broken")' in original.__cause__.text
+    states = {e.rank: e.state for e in recorder.of(RankFinished)}
+    assert states[1] == RankState.FAILED
+    assert states[0] in (RankState.STOPPED, RankState.FAILED)  # it may see the peer vanish first
+    assert 0 not in error.ranks or error.failures[-1].rank == 0
+
+
+def collective_then_rank_one_raises(round_):
+    dist.init_process_group("gloo")
+    for step in range(3):
+        dist.all_reduce(torch.ones(1000))
+    if dist.get_rank() == 1:
+        raise RuntimeError(f"round {round_}: rank 1 fails")
+    dist.all_reduce(torch.ones(1000))  # rank 0 gets a gloo error once rank 1 is gone
+    return "unreachable"
+
+
+def test_the_root_cause_is_blamed_every_time():
+    for round_ in range(5):
+        with pytest.raises(RankFailedError) as info:
+            notebook_launcher(collective_then_rank_one_raises, args=(round_,), num_processes=2, display="none")
+        assert info.value.root_cause.rank == 1, str(info.value)
+        assert f"round {round_}: rank 1 fails" in info.value.root_cause.reason
+
+
+def rank_one_is_killed():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_the_likely_cause():
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(rank_one_is_killed, num_processes=2, display="none")
+    root = info.value.root_cause
+    assert root.rank == 1 and root.signal_name == "SIGKILL"
+    assert "out-of-memory" in root.reason
+
+
+def rank_zero_exits():
+    if os.environ["RANK"] == "0":
+        print("about to leave", flush=True)
+        os._exit(3)
+    time.sleep(60)
+
+
+def test_a_non_zero_exit_is_reported_with_the_last_lines_of_output():
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(rank_zero_exits, num_processes=2, display="none")
+    root = info.value.root_cause
+    assert root.rank == 0 and root.exitcode == 3
+    assert "exited with code 3" in str(info.value) and "about to leave" in str(info.value)
+
+
+class Unrebuildable(Exception):
+    def __init__(self, a, b):  # pickles as Unrebuildable(message), which then fails to rebuild
+        super().__init__(f"{a}/{b}")
+
+
+def raises_unrebuildable():
+    raise Unrebuildable(1, 2)
+
+
+def test_an_exception_that_cannot_be_rebuilt_keeps_its_name_and_message():
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(raises_unrebuildable, num_processes=2, display="none")
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteError) and "Unrebuildable: 1/2" in str(cause)
+
+
+def hangs_in_a_collective():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends
+    else:
+        time.sleep(600)
+
+
+def test_timeout_shows_where_every_rank_was_and_stops_them(recorder):
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(hangs_in_a_collective, num_processes=2, timeout=3, display=recorder)
+    assert time.monotonic() - started < 3 + 5
+    stacks = info.value.stacks
+    assert "dist.recv(torch.zeros(1), src=1)" in stacks[0]
+    assert "time.sleep(600)" in stacks[1]
+    assert {e.rank for e in recorder.of(Stacks)} == {0, 1}
+    assert [e.state for e in recorder.of(RankFinished)] == [RankState.STOPPED] * 2
+
+
+def returns_a_generator():
+    return (i for i in range(3))
+
+
+def test_a_result_that_cannot_be_sent_back_is_a_clear_failure():
+    with pytest.raises(RankFailedError, match="returned a generator that cannot be sent back"):
+        notebook_launcher(returns_a_generator, num_processes=2, display="none")
+
+
+def exits_cleanly():
+    raise SystemExit(0)
+
+
+def test_sys_exit_zero_is_a_clean_finish():
+    assert notebook_launcher(exits_cleanly, num_processes=2, display="none") == [None, None]

@@ -1,0 +1,89 @@
+"""Bad input is refused before any process starts, with a message that says what to do."""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+import pytest
+
+from nblaunch import LaunchConfigError, notebook_launcher
+
+
+def noop():
+    return 0
+
+
+def children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_processes": 0}, "num_processes must be a positive int"),
+        ({"num_processes": -2}, "num_processes must be a positive int"),
+        ({"num_processes": 2.0}, "num_processes must be a positive int"),
+        ({"num_processes": "2"}, "num_processes must be a positive int"),
+        ({"num_processes": True}, "num_processes must be a positive int"),
+        ({"num_processes": 2, "mixed_precision": "fp32"}, "mixed_precision must be one of no, fp16, bf16, fp8"),
+        ({"num_processes": 2, "mixed_precision": "fp8"}, "fp8' needs CUDA"),
+        ({"num_processes": 2, "node_rank": 1, "num_nodes": 1}, "node_rank must be an int in 0..num_nodes-1"),
+        ({"num_processes": 2, "num_nodes": 0}, "num_nodes must be a positive int"),
+        ({"num_processes": 2, "use_port": "http"}, "use_port must be a port number"),
+        ({"num_processes": 2, "use_port": 70000}, "use_port must be a port number"),
+        ({"num_processes": 2, "start_method": "forkserver"}, "start_method must be None"),
+        ({"num_processes": 2, "timeout": -1}, "timeout must be a positive number"),
+        ({"num_processes": 2, "display": "fancy"}, "display must be one of"),
+        ({"num_processes": 2, "args": [1]}, "args must be a tuple"),
+        ({"num_processes": 2, "num_nodes": 2, "node_rank": 1}, None),  # checked below: port needed
+        ({"num_processes": None}, "Pass num_processes=N"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_starts(kwargs, message):
+    kwargs = dict(kwargs)
+    args = kwargs.pop("args", ())
+    if message is None:
+        message = "every node must agree on the port"
+        kwargs["node_rank"] = 0
+    before = children()
+    with pytest.raises(LaunchConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        notebook_launcher(noop, args, **kwargs)
+    assert children() == before
+
+
+def test_a_function_that_is_not_callable_is_refused():
+    with pytest.raises(LaunchConfigError, match="function must be callable"):
+        notebook_launcher("train", num_processes=2)
+
+
+def test_a_busy_pinned_port_says_so_and_suggests_a_free_one():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchConfigError, match=rf"use_port={port} is already in use.*use_port=None"):
+            notebook_launcher(noop, num_processes=2, use_port=port)
+
+
+def test_an_unpicklable_closure_variable_is_named():
+    db = socket.socket()
+
+    def train():
+        return db.fileno()
+
+    try:
+        with pytest.raises(LaunchConfigError) as info:
+            notebook_launcher(train, num_processes=2)
+    finally:
+        db.close()
+    text = str(info.value)
+    assert "closure variable `db` of `train` holds a socket.socket" in text
+    assert "inside the function" in text
+
+
+def test_an_unpicklable_argument_is_named():
+    import threading
+
+    with pytest.raises(LaunchConfigError, match=r"key 'lock' of argument 1 of the launch \(args\[1\]\) holds a _thread.lock"):
+        notebook_launcher(noop, args=(1, {"lock": threading.Lock()}), num_processes=2)

@@ -1,0 +1,121 @@
+"""Interrupts, a killed launcher, and ranks left behind by an earlier kernel."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from nblaunch import notebook_launcher
+from nblaunch.launch import registry
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def start_blocked_ranks() -> tuple[subprocess.Popen, list[int]]:
+    """Run the script in a session of its own, like a kernel, and wait for both ranks' pids."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "blocked_ranks.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    pids, seen = [], []
+    for line in proc.stdout:
+        seen.append(line)
+        if match := re.search(r"ready pid=(\d+)", line):
+            pids.append(int(match.group(1)))
+        if len(pids) == 2:
+            return proc, pids
+    raise AssertionError("the ranks never got ready:\n" + "".join(seen))
+
+
+def gone(pids: list[int], within: float) -> bool:
+    """True once none of ``pids`` is a live process (a backstop, not a sleep)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        psutil.wait_procs([psutil.Process(p) for p in alive], timeout=0.1)
+    return False
+
+
+def test_an_interrupt_of_the_whole_process_group_shows_stacks_then_stops_every_rank():
+    proc, pids = start_blocked_ranks()
+    os.killpg(proc.pid, signal.SIGINT)  # what a kernel interrupt may do
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "[rank 0] stack where it was stopped" in out and "[rank 1] stack where it was stopped" in out
+    assert "dist.recv(torch.zeros(1), src=1)" in out and "time.sleep(600)" in out
+    assert "interrupted after" in out
+    assert "launcher raised KeyboardInterrupt" in out
+    assert "next launch: [0, 1]" in out  # the same process launches again
+    assert gone(pids, within=5)
+
+
+def test_ranks_die_with_a_killed_launcher_even_inside_a_cpp_collective():
+    proc, pids = start_blocked_ranks()
+    killed_at = time.monotonic()
+    proc.kill()
+    proc.wait()
+    assert gone(pids, within=5)
+    print(f"ranks gone {time.monotonic() - killed_at:.3f} s after the launcher was killed")
+
+
+def quick():
+    return int(os.environ["RANK"])
+
+
+def test_a_launch_stops_ranks_an_earlier_kernel_left_behind(capfd):
+    stale = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    dead_launcher = subprocess.Popen(["true"])
+    dead_launcher.wait()
+    record = registry.LaunchRecord("stale-test", dead_launcher.pid, 29999, [(stale.pid, registry.process_start_time(stale.pid))])
+    record.save()
+    try:
+        assert notebook_launcher(quick, num_processes=2, display="none") == [0, 1]
+        assert stale.wait(timeout=5) == -signal.SIGKILL
+        assert f"stopped 1 stale rank(s) (pids {stale.pid})" in capfd.readouterr().err
+        assert not os.path.exists(record.path)
+    finally:
+        stale.kill()
+        record.remove()
+
+
+def test_a_live_launch_of_another_process_is_left_alone():
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    record = registry.LaunchRecord("live-test", os.getppid(), 29998, [(other.pid, registry.process_start_time(other.pid))])
+    record.save()
+    try:
+        notebook_launcher(quick, num_processes=2, display="none")
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+        record.remove()
+
+
+MAIN_ON_STDIN = """
+import os
+from nblaunch import notebook_launcher
+
+offset = 1000
+
+def make(scale):
+    def train(x):
+        return offset + scale * x + int(os.environ["RANK"])
+    return train
+
+print("results", notebook_launcher(make(10), args=(2,), num_processes=2, start_method="spawn", display="none"))
+"""
+
+
+def test_spawn_runs_a_closure_defined_in_main_fed_on_stdin():
+    done = subprocess.run([sys.executable, "-"], input=MAIN_ON_STDIN, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "results [1020, 1021]" in done.stdout

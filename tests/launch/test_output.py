@@ -1,0 +1,75 @@
+"""Every line a rank writes reaches the launcher, tagged with its rank, Python- or C-level."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from pathlib import Path
+
+from nblaunch import notebook_launcher
+from nblaunch.events import LaunchStarted, Output
+
+
+def chatty():
+    rank = os.environ["RANK"]
+    print(f"python print from {rank}")
+    print(f"python stderr from {rank}", file=sys.stderr)
+    os.write(1, f"raw fd write from {rank}\n".encode())
+    libc = ctypes.CDLL(None)
+    libc.printf(f"C printf from {rank}\n".encode())
+    libc.fflush(None)
+    logging.getLogger("user").warning("logged from %s", rank)
+    for pct in (10, 50, 90):
+        sys.stdout.write(f"\rprogress {pct}%")
+        sys.stdout.flush()
+    sys.stdout.write("\rprogress done\n")
+    sys.stdout.write(f"last words of {rank}, no newline")
+    return rank
+
+
+def test_python_and_c_output_of_both_ranks_arrives_whole_and_tagged(recorder):
+    # A handler made in the parent, bound to the parent's stderr: in a kernel that stream object
+    # would swallow a forked child's writes, so the worker rebinds it to its own stderr.
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("user").addHandler(handler)
+    try:
+        assert notebook_launcher(chatty, num_processes=2, display=recorder) == ["0", "1"]
+    finally:
+        logging.getLogger("user").removeHandler(handler)
+    for rank in (0, 1):
+        out = recorder.lines(rank, "stdout")
+        err = recorder.lines(rank, "stderr")
+        assert f"python print from {rank}" in out
+        assert f"raw fd write from {rank}" in out
+        assert f"C printf from {rank}" in out
+        assert "progress done" in out and not any("progress 10%" in line for line in out)
+        assert out[-1] == f"last words of {rank}, no newline"
+        assert f"python stderr from {rank}" in err
+        assert f"logged from {rank}" in err
+        # Redraws superseded within one read are never shown; those shown are only redraws.
+        transient = [e.lines[0] for e in recorder.of(Output) if e.rank == rank and e.transient]
+        assert set(transient) <= {"progress 10%", "progress 50%", "progress 90%"}
+
+
+def test_the_text_display_tags_lines_and_keeps_stderr_apart(capsys):
+    notebook_launcher(chatty, num_processes=2, display="text")
+    out, err = capsys.readouterr()
+    assert "[rank 0] python print from 0" in out and "[rank 1] python print from 1" in out
+    assert "[rank 1] python stderr from 1" in err
+    assert "nblaunch: all 2 ranks done" in out
+
+
+def many_lines(count):
+    for i in range(count):
+        print(f"line {i}")
+
+
+def test_whole_logs_are_written_to_disk_without_losing_a_line(recorder):
+    notebook_launcher(many_lines, args=(20000,), num_processes=2, display=recorder)
+    log_dir = Path(recorder.of(LaunchStarted)[0].log_dir)
+    for rank in (0, 1):
+        lines = (log_dir / f"rank{rank}.log").read_text().splitlines()
+        assert lines == [f"line {i}" for i in range(20000)]
+        assert recorder.lines(rank) == lines
