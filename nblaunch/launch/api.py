@@ -1,17 +1,21 @@
-"""``notebook_launcher`` and ``debug_launcher``: the public way to start a launch."""
+"""``notebook_launcher`` and ``debug_launcher``: the public way to start a launch, and the
+:class:`Launch` handle a non-blocking launch returns."""
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from nblaunch.display import Fanout, make_display
-from nblaunch.events import Display, LaunchFinished, LaunchStarted, RankState
+from nblaunch.events import Display, Event, LaunchFinished, LaunchStarted, RankFinished, RankStarted, RankState
 from nblaunch.launch import pickling, registry
-from nblaunch.launch.errors import LaunchTimeoutError, RankFailedError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.plan import LaunchPlan, make_plan
 from nblaunch.launch.supervisor import Supervisor
@@ -32,7 +36,8 @@ def notebook_launcher(
     start_method: str | None = None,
     timeout: float | None = None,
     display: str | Display = "auto",
-) -> list[Any]:
+    block: bool = True,
+) -> list[Any] | "Launch":
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
     The parameters shared with Hugging Face Accelerate's ``notebook_launcher`` mean the same
@@ -49,7 +54,9 @@ def notebook_launcher(
         start_method: None (fork where safe, spawn where not), "fork" or "spawn".
         timeout: seconds; past it every rank's stack is shown, the ranks are stopped and
             LaunchTimeoutError is raised.
-        display: "auto", "widget", "text", "none", or an object with on_event/close.
+        display: "auto" (widgets in a notebook, text elsewhere), "widget", "text", "none", or an
+            object with ``on_event``/``close``.
+        block: False returns a :class:`Launch` at once; the launch goes on while other cells run.
 
     Raises:
         LaunchConfigError: bad input (nothing was started).
@@ -65,11 +72,22 @@ def notebook_launcher(
         >>> notebook_launcher(train, args=(10,), num_processes=2, display="none")
         [0, 10]
     """
+    if not isinstance(block, bool):
+        from nblaunch.launch.errors import LaunchConfigError
+
+        raise LaunchConfigError(f"block must be True or False, got {block!r}")
     plan = make_plan(
         function, args, num_processes, mixed_precision, use_port, master_addr,
         node_rank, num_nodes, start_method, timeout, display, force_cpu=False,
     )
-    return _launch(plan, function, args, timeout, display)
+    pickling.check_picklable(function, args)
+    if block and plan.num_processes == 1 and plan.num_nodes == 1:
+        return [_run_in_process(plan, function, args)]
+    launch = Launch(plan, function, args, timeout, display)
+    if block:
+        return launch._run()
+    launch._start_in_background()
+    return launch
 
 
 def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes: int = 2) -> list[Any]:
@@ -84,55 +102,161 @@ def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes
     plan = make_plan(
         function, args, num_processes, "no", None, "127.0.0.1", 0, 1, None, None, "auto", force_cpu=True,
     )
-    return _launch(plan, function, args, None, "auto")
-
-
-def _launch(plan: LaunchPlan, function: Callable, args: tuple, timeout: float | None, display: Any) -> list[Any]:
     pickling.check_picklable(function, args)
-    if plan.num_processes == 1 and plan.num_nodes == 1:
-        return [_run_in_process(plan, function, args)]
+    return Launch(plan, function, args, None, "auto")._run()
 
-    for message in registry.stop_stale_ranks():
-        print(f"nblaunch: {message}", file=sys.stderr)
-    log_dir = new_log_dir()
-    sink = Fanout(LogFiles(log_dir, plan.num_processes), make_display(display))
-    started = time.monotonic()
-    sink.on_event(
-        LaunchStarted(
-            function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
-            node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
-            master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices, log_dir=log_dir,
+
+class Launch:
+    """A launch in progress or finished; ``notebook_launcher(..., block=False)`` returns one.
+
+    Example::
+
+        launch = notebook_launcher(train, num_processes=2, block=False)
+        launch.status          # "running"
+        launch.logs(1)[-200:]  # rank 1's log so far
+        launch.cancel()        # or: results = launch.result()
+    """
+
+    def __init__(self, plan: LaunchPlan, function: Callable, args: tuple, timeout: float | None, display: Any):
+        self.plan = plan
+        self._function = function
+        self._args = args
+        self._timeout = timeout
+        self._future: Future = Future()
+        self._lock = threading.Lock()
+        self._supervisor: Supervisor | None = None
+        self._cancel_requested = False
+        self._rank_states: dict[int, RankState] = {}
+        self._status = "starting"
+        for message in registry.stop_stale_ranks():
+            print(f"nblaunch: {message}", file=sys.stderr)
+        self.log_dir = new_log_dir()
+        self._logs = LogFiles(self.log_dir, plan.num_processes)
+        # Made here, on the caller's thread: a widget shows itself in the launching cell.
+        self._sink = Fanout(self._logs, make_display(display))
+
+    # ------------------------------------------------------------------ the handle
+    @property
+    def status(self) -> str:
+        """starting, running, done, failed, timed out, cancelled or interrupted."""
+        return self._status
+
+    @property
+    def ranks(self) -> dict[int, RankState]:
+        """Each rank's state."""
+        return dict(self._rank_states)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Wait for the launch (at most ``timeout`` seconds) and return each rank's result, or
+        raise what the launch raised (RankFailedError, LaunchTimeoutError, ...)."""
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        """Show every rank's stack, stop every rank; ``result()`` then raises
+        LaunchCancelledError. False if the launch had already finished."""
+        with self._lock:
+            if self._future.done():
+                return False
+            self._cancel_requested = True
+            if self._supervisor is not None:
+                self._supervisor.cancel()
+        return True
+
+    def logs(self, rank: int) -> str:
+        """Rank ``rank``'s whole log so far (from disk)."""
+        self._logs.flush()
+        with open(self._logs.path(rank), encoding="utf-8", errors="replace") as log:
+            return log.read()
+
+    def __repr__(self) -> str:
+        return f"<Launch {self.plan.function_name} on {self.plan.num_processes} processes: {self.status}>"
+
+    # ------------------------------------------------------------------ running it
+    def _start_in_background(self) -> None:
+        # The thread forks the ranks and lives until they are reaped: PR_SET_PDEATHSIG fires when
+        # the forking thread exits. copy_context: ipykernel 7 keeps the launching cell in a
+        # context variable, so the thread's output lands in that cell, not the newest one.
+        context = contextvars.copy_context()
+        thread = threading.Thread(
+            target=context.run, args=(self._run_quietly,), name=f"nblaunch-{self.plan.function_name}", daemon=True
         )
-    )
-    record = None
-    workers: list[WorkerProcess] = []
-    try:
-        workers = _start_workers(plan, function, args)
-        record = registry.LaunchRecord(
-            launch_id=uuid.uuid4().hex, launcher_pid=os.getpid(), port=plan.master_port,
-            ranks=[(w.pid, registry.process_start_time(w.pid)) for w in workers],
-        )
-        record.save()
-        results = Supervisor(workers, sink.on_event, timeout).run()
-        elapsed = time.monotonic() - started
-        sink.on_event(
-            LaunchFinished(
-                state=RankState.DONE, elapsed_s=elapsed, results=results,
-                summary=f"all {plan.num_processes} ranks done in {elapsed:.2f} s",
+        thread.start()
+
+    def _run_quietly(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            pass  # kept in the future; result() raises it
+
+    def _emit(self, event: Event) -> None:
+        if isinstance(event, RankStarted):
+            self._rank_states[event.rank] = RankState.RUNNING
+            self._status = "running"
+        elif isinstance(event, RankFinished):
+            self._rank_states[event.rank] = event.state
+        self._sink.on_event(event)
+
+    def _run(self) -> list[Any]:
+        plan = self.plan
+        started = time.monotonic()
+        self._emit(
+            LaunchStarted(
+                function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
+                node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
+                master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices,
+                log_dir=self.log_dir,
             )
         )
-        return results
-    except BaseException as error:
-        for w in workers:  # normally reaped by the supervisor; not if starting failed midway
-            w.kill()
-            w.wait()
-            w.close()
-        sink.on_event(_finished_event(error, started))
-        raise
-    finally:
-        if record is not None:
-            record.remove()
-        sink.close()
+        record = None
+        outcome: Any = None
+        workers: list[WorkerProcess] = []
+        try:
+            workers = _start_workers(plan, self._function, self._args)
+            record = registry.LaunchRecord(
+                launch_id=uuid.uuid4().hex, launcher_pid=os.getpid(), port=plan.master_port,
+                ranks=[(w.pid, registry.process_start_time(w.pid)) for w in workers],
+            )
+            record.save()
+            with self._lock:
+                self._supervisor = Supervisor(workers, self._emit, self._timeout)
+                if self._cancel_requested:
+                    self._supervisor.cancel()
+            results = self._supervisor.run()
+            elapsed = time.monotonic() - started
+            self._status = "done"
+            self._emit(
+                LaunchFinished(
+                    state=RankState.DONE, elapsed_s=elapsed, results=results,
+                    summary=f"all {plan.num_processes} ranks done in {elapsed:.2f} s",
+                )
+            )
+            outcome = results
+            return results
+        except BaseException as error:
+            for w in workers:  # normally reaped by the supervisor; not if starting failed midway
+                w.kill()
+                w.wait()
+                w.close()
+            finished = _finished_event(error, started)
+            self._status = {
+                RankFailedError: "failed", LaunchTimeoutError: "timed out",
+                LaunchCancelledError: "cancelled", KeyboardInterrupt: "interrupted",
+            }.get(type(error), "failed")
+            self._emit(finished)
+            outcome = error
+            raise
+        finally:
+            if record is not None:
+                record.remove()
+            self._sink.close()
+            # Last: whoever waits on result() finds the display closed and the logs complete.
+            if isinstance(outcome, BaseException):
+                self._future.set_exception(outcome)
+            else:
+                self._future.set_result(outcome)
 
 
 def _finished_event(error: BaseException, started: float) -> LaunchFinished:
@@ -145,6 +269,8 @@ def _finished_event(error: BaseException, started: float) -> LaunchFinished:
         summary = f"timed out after {elapsed:.2f} s (timeout={error.timeout:g}); every rank was stopped"
     elif isinstance(error, KeyboardInterrupt):
         summary = f"interrupted after {elapsed:.2f} s; every rank was stopped"
+    elif isinstance(error, LaunchCancelledError):
+        summary = f"cancelled after {elapsed:.2f} s; every rank was stopped"
     else:
         summary = f"the launch failed after {elapsed:.2f} s: {error!r}"
     return LaunchFinished(RankState.STOPPED, elapsed, error=error, summary=summary)
@@ -165,8 +291,7 @@ def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[Wo
             if packed is None:
                 workers.append(start_forked(settings, function, args))
             else:
-                environ = dict(os.environ, **settings.environ)
-                workers.append(start_spawned(settings, packed, environ))
+                workers.append(start_spawned(settings, packed, dict(os.environ, **settings.environ)))
         except BaseException:
             for w in workers:
                 w.kill()

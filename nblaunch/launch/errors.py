@@ -4,10 +4,12 @@
 - :class:`RankFailedError`: one or more ranks failed; the root cause comes first and the
   original exception (with its remote traceback) is chained as ``__cause__``.
 - :class:`LaunchTimeoutError`: ``timeout=`` ran out; carries every rank's stack.
+- :class:`LaunchCancelledError`: a non-blocking launch was cancelled.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 
 
@@ -83,6 +85,10 @@ class RankFailedError(RuntimeError):
             note = " (likely a consequence of rank %d)" % first.rank if other.collateral else ""
             lines.append(f"rank {other.rank} also failed{note}: {other.reason}")
         return "\n".join(lines)
+
+
+class LaunchCancelledError(concurrent.futures.CancelledError):
+    """A non-blocking launch was stopped with ``cancel()`` (or the widget's Stop button)."""
 
 
 class LaunchTimeoutError(TimeoutError):

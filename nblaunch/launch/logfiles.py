@@ -44,6 +44,11 @@ class LogFiles:
         elif isinstance(event, LaunchFinished):
             self.close()
 
+    def flush(self) -> None:
+        for f in self._files.values():
+            if not f.closed:
+                f.flush()
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()

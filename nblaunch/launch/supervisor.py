@@ -13,6 +13,7 @@ import os
 import pickle
 import selectors
 import signal
+import threading
 import time
 from collections import deque
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from nblaunch.events import (
     Stacks,
 )
 from nblaunch.launch.errors import (
+    LaunchCancelledError,
     LaunchTimeoutError,
     RankFailedError,
     RankFailure,
@@ -46,7 +48,7 @@ _FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (
 _REAP_BACKSTOP_S = 10.0
 _LOG_TAIL = 20
 
-_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT = "stdout", "stderr", "events", "exit"
+_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"
 
 
 class _Rank:
@@ -74,6 +76,12 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._stacks: dict[int, str] = {}
         self._stopping = False
+        self._cancel_requested = False
+        # cancel() may come from any thread: it writes here to wake the select loop.
+        self._wake_lock = threading.Lock()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, (None, _FD_WAKE))
         for rank in self._ranks.values():
             w = rank.worker
             for fd, kind in ((w.stdout_fd, _FD_STDOUT), (w.stderr_fd, _FD_STDERR), (w.event_fd, _FD_EVENTS)):
@@ -94,6 +102,9 @@ class Supervisor:
                 elif deadline is not None and time.monotonic() >= deadline and not self._stopping:
                     self._stop(_STACKS_ON_STOP_S, fallback=True)
                     raise LaunchTimeoutError(self._timeout, dict(self._stacks))
+                elif self._cancel_requested and not self._stopping:
+                    self._stop(_STACKS_ON_STOP_S, fallback=True)
+                    raise LaunchCancelledError("the launch was cancelled; every rank was stopped")
         except KeyboardInterrupt:
             if not self._stopping:
                 self._stop(_STACKS_ON_STOP_S, fallback=True)
@@ -104,6 +115,13 @@ class Supervisor:
         if failures:
             raise self._failure_error(failures)
         return [self._ranks[r].result for r in sorted(self._ranks)]
+
+    def cancel(self) -> None:
+        """Stop the launch as an interrupt would (stacks, then stop). Safe from any thread."""
+        self._cancel_requested = True
+        with self._wake_lock:  # never write to a closed (and maybe reused) descriptor
+            if self._wake_write != -1:
+                os.write(self._wake_write, b"x")
 
     @property
     def stacks(self) -> dict[int, str]:
@@ -123,7 +141,9 @@ class Supervisor:
             wait = _POLL_WITHOUT_PIDFD_S if wait is None else min(wait, _POLL_WITHOUT_PIDFD_S)
         for key, _ in self._selector.select(wait):
             rank, kind = key.data
-            if kind == _FD_EXIT:
+            if kind == _FD_WAKE:
+                os.read(self._wake_read, 4096)
+            elif kind == _FD_EXIT:
                 self._on_exit(rank)
             else:
                 self._read(rank, kind, key.fd)
@@ -167,7 +187,7 @@ class Supervisor:
                 while self._read(rank, kind, fd):
                     pass
         for fd in list(self._selector.get_map()):
-            if self._selector.get_key(fd).data[0] is rank:
+            if self._selector.get_key(fd).data[0] is rank:  # the wake pipe's rank is None
                 self._selector.unregister(fd)
         for kind, splitter in rank.splitters.items():
             self._emit_lines(rank, kind, splitter.flush(), None)
@@ -259,6 +279,10 @@ class Supervisor:
                 rank.finished = True
             rank.worker.close()
         self._selector.close()
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_read = self._wake_write = -1
 
     def _failure_error(self, failures: list[_Rank]) -> RankFailedError:
         # The root cause first: a rank's own error before errors that a dead peer caused,

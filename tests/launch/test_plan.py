@@ -1,0 +1,60 @@
+"""How the launcher decides: start method, devices, threads, and the variables each rank gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from nblaunch import LaunchConfigError
+from nblaunch.launch import devices
+from nblaunch.launch.plan import make_plan
+
+
+def noop():
+    return None
+
+
+def plan(**overrides):
+    arguments = dict(
+        function=noop, args=(), num_processes=2, mixed_precision="no", use_port=None, master_addr="127.0.0.1",
+        node_rank=0, num_nodes=1, start_method=None, timeout=None, display="none", force_cpu=False,
+    )
+    arguments.update(overrides)
+    return make_plan(**arguments)
+
+
+def test_fork_is_chosen_on_a_cpu_machine_and_the_reason_is_given():
+    chosen = plan()
+    assert (chosen.start_method, chosen.device_kind) == ("fork", "cpu")
+    assert "share this process's memory" in chosen.start_reason
+
+
+def test_cuda_already_initialised_here_means_spawn_and_fork_is_refused(monkeypatch):
+    # This machine has no GPU: stand in for the one probe that would say CUDA is initialised.
+    monkeypatch.setattr(devices, "cuda_initialized", lambda: True)
+    chosen = plan()
+    assert chosen.start_method == "spawn" and "CUDA is already initialised" in chosen.start_reason
+    with pytest.raises(LaunchConfigError, match="start_method='fork' would break CUDA"):
+        plan(start_method="fork")
+    assert plan(force_cpu=True).start_method == "fork"  # debug_launcher hides the GPUs
+
+
+def test_gpus_are_counted_without_initialising_cuda():
+    import torch
+
+    count = devices.cuda_device_count()
+    assert count == 0  # no NVIDIA driver on the CI machine; NVML simply is not there
+    assert not torch.cuda.is_initialized()
+
+
+def test_cuda_visible_devices_limits_the_count(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,-1,2")
+    assert devices._visible_limit(8) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices._visible_limit(8) == 0
+
+
+def test_multi_node_ranks_are_offset_by_the_node():
+    chosen = plan(num_nodes=2, node_rank=1, use_port=29555, master_addr="10.1.2.3")
+    env = chosen.rank_environ(1)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["NODE_RANK"]) == ("3", "1", "4", "1")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.1.2.3", "29555")
