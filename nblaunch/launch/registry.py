@@ -67,8 +67,42 @@ class LaunchRecord:
             pass
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Pids of live processes in process group ``pgid`` (Linux /proc; empty elsewhere)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return members
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields[2] is field 5 (pgrp)
+            members.append(int(entry))
+    return members
+
+
+def _stale_processes(pid: int, start_time: int | None) -> list[int]:
+    """The rank ``pid`` and whatever it started in its process group, if any still live.
+
+    A rank leads its own process group. If the rank itself is dead but its group lives on (a
+    server it started), the group id cannot have been reused: Linux keeps a pid reserved while
+    a group of that id exists. If a *different* process now has the rank's pid (its start time
+    differs), the group is someone else's: leave it alone.
+    """
+    now = process_start_time(pid)
+    if now is not None and now != start_time:
+        return []
+    return _group_members(pid) or ([pid] if now is not None else [])
+
+
 def stop_stale_ranks() -> list[str]:
-    """Kill ranks whose launcher is gone; return one message per launch cleaned up."""
+    """Kill ranks (and what they started) whose launcher is gone; one message per launch."""
     messages = []
     directory = registry_dir()
     for name in sorted(os.listdir(directory)):
@@ -85,18 +119,21 @@ def stop_stale_ranks() -> list[str]:
             continue  # a live launch of another kernel: not ours to touch
         stopped = []
         for pid, start in record["ranks"]:
-            if _alive(pid, start):
-                for send in (os.killpg, os.kill):
-                    try:
-                        send(pid, signal.SIGKILL)
-                        break
-                    except (ProcessLookupError, PermissionError):
-                        continue
-                stopped.append(pid)
+            stale = _stale_processes(pid, start)
+            if stale:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    for member in stale:
+                        try:
+                            os.kill(member, signal.SIGKILL)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                stopped += stale
         if stopped:
             messages.append(
-                f"stopped {len(stopped)} stale rank(s) (pids {', '.join(map(str, stopped))}) left by an "
-                f"earlier launch of process {launcher_pid} that no longer exists (port {record['port']})"
+                f"stopped {len(stopped)} stale process(es) (pids {', '.join(map(str, sorted(stopped)))}) left by "
+                f"an earlier launch of process {launcher_pid} that no longer exists (port {record['port']})"
             )
         try:
             os.unlink(path)

@@ -80,11 +80,40 @@ def test_a_launch_stops_ranks_an_earlier_kernel_left_behind(capfd):
     try:
         assert notebook_launcher(quick, num_processes=2, display="none") == [0, 1]
         assert stale.wait(timeout=5) == -signal.SIGKILL
-        assert f"stopped 1 stale rank(s) (pids {stale.pid})" in capfd.readouterr().err
+        assert f"stopped 1 stale process(es) (pids {stale.pid})" in capfd.readouterr().err
         assert not os.path.exists(record.path)
     finally:
         stale.kill()
         record.remove()
+
+
+STARTS_A_SERVER = """
+import os, subprocess, sys
+import torch.distributed as dist
+from nblaunch import notebook_launcher
+
+def train(folder):
+    server = subprocess.Popen(["sleep", "600"])  # e.g. a TensorBoard the training started
+    with open(os.path.join(folder, os.environ["RANK"]), "w") as out:
+        out.write(str(server.pid))
+    dist.init_process_group("gloo")
+    dist.barrier()  # both servers exist
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), 9)  # the kernel dies (a crash, or "restart kernel")
+    server.wait()
+
+notebook_launcher(train, args=(sys.argv[1],), num_processes=2, display="none")
+"""
+
+
+def test_what_a_rank_started_is_stopped_after_its_kernel_died(tmp_path, capfd):
+    kernel = subprocess.run([sys.executable, "-c", STARTS_A_SERVER, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert kernel.returncode == -signal.SIGKILL, kernel.stdout + kernel.stderr
+    servers = [int((tmp_path / rank).read_text()) for rank in ("0", "1")]
+    assert all(psutil.pid_exists(pid) for pid in servers)  # the ranks died with the kernel; these did not
+    notebook_launcher(quick, num_processes=2, display="none")
+    assert gone(servers, within=5)
+    assert "stale process(es)" in capfd.readouterr().err
 
 
 def test_a_live_launch_of_another_process_is_left_alone():
