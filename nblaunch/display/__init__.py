@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import traceback
+
 from nblaunch.events import Display, Event
 
 DISPLAY_CHOICES = ("auto", "widget", "text", "none")
@@ -30,15 +33,30 @@ def make_display(choice: str | Display) -> Display:
 
 
 class Fanout:
-    """Hands each event to several sinks (the display and the log files)."""
+    """Hands each event to several sinks (the log files and the display).
+
+    A sink that raises is reported once and dropped: a bug in a display must not stop the
+    training it shows. The log files keep everything regardless.
+    """
 
     def __init__(self, *sinks: Display):
-        self.sinks = sinks
+        self.sinks = list(sinks)
 
     def on_event(self, event: Event) -> None:
-        for sink in self.sinks:
-            sink.on_event(event)
+        for sink in list(self.sinks):
+            self._call(sink, sink.on_event, event)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for sink in list(self.sinks):
+            self._call(sink, sink.close)
+
+    def _call(self, sink: Display, method, *args) -> None:
+        try:
+            method(*args)
+        except Exception:
+            self.sinks.remove(sink)
+            print(
+                f"nblaunch: the display {type(sink).__name__} failed and was turned off; the launch goes on "
+                f"and the logs are still written:\n{traceback.format_exc()}",
+                file=sys.stderr,
+            )

@@ -73,3 +73,18 @@ def test_whole_logs_are_written_to_disk_without_losing_a_line(recorder):
         lines = (log_dir / f"rank{rank}.log").read_text().splitlines()
         assert lines == [f"line {i}" for i in range(20000)]
         assert recorder.lines(rank) == lines
+
+
+class BrokenDisplay:
+    def on_event(self, event):
+        raise RuntimeError("display bug")
+
+    def close(self):
+        pass
+
+
+def test_a_broken_display_is_turned_off_and_the_launch_goes_on(capfd):
+    assert notebook_launcher(chatty, num_processes=2, display=BrokenDisplay()) == ["0", "1"]
+    err = capfd.readouterr().err
+    assert err.count("the display BrokenDisplay failed and was turned off") == 1
+    assert "display bug" in err
