@@ -38,7 +38,7 @@ from nblaunch.launch.errors import (
     RemoteTraceback,
 )
 from nblaunch.launch.lines import LineSplitter
-from nblaunch.launch.workers import WorkerProcess
+from nblaunch.launch.workers import RankPipes, WorkerProcess
 
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
@@ -54,8 +54,10 @@ _FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "ev
 class _Rank:
     """What the supervisor knows about one rank."""
 
-    def __init__(self, worker: WorkerProcess):
-        self.worker = worker
+    def __init__(self, pipes: RankPipes, process: WorkerProcess):
+        self.pipes = pipes
+        self.process = process
+        self.number = pipes.rank
         self.frames = wire.FrameReader()
         self.splitters = {_FD_STDOUT: LineSplitter(), _FD_STDERR: LineSplitter()}
         self.tail: deque[str] = deque(maxlen=_LOG_TAIL)
@@ -69,10 +71,11 @@ class _Rank:
 class Supervisor:
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
-    def __init__(self, workers: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None):
+    def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None):
         self._emit = emit
         self._timeout = timeout
-        self._ranks = {w.rank: _Rank(w) for w in workers}
+        self._processes = processes
+        self._ranks = {pipes.rank: _Rank(pipes, process) for process in processes for pipes in process.ranks}
         self._selector = selectors.DefaultSelector()
         self._stacks: dict[int, str] = {}
         self._stopping = False
@@ -83,12 +86,13 @@ class Supervisor:
         os.set_blocking(self._wake_read, False)
         self._selector.register(self._wake_read, selectors.EVENT_READ, (None, _FD_WAKE))
         for rank in self._ranks.values():
-            w = rank.worker
-            for fd, kind in ((w.stdout_fd, _FD_STDOUT), (w.stderr_fd, _FD_STDERR), (w.event_fd, _FD_EVENTS)):
+            p = rank.pipes
+            for fd, kind in ((p.stdout_fd, _FD_STDOUT), (p.stderr_fd, _FD_STDERR), (p.event_fd, _FD_EVENTS)):
                 self._selector.register(fd, selectors.EVENT_READ, (rank, kind))
-            if w.exit_fd is not None:
-                self._selector.register(w.exit_fd, selectors.EVENT_READ, (rank, _FD_EXIT))
-            emit(RankStarted(rank=w.rank, pid=w.pid))
+            emit(RankStarted(rank=rank.number, pid=rank.process.pid))
+        for process in processes:
+            if process.exit_fd is not None:
+                self._selector.register(process.exit_fd, selectors.EVENT_READ, (process, _FD_EXIT))
 
     # ----------------------------------------------------------------------------- main loop
     def run(self) -> list[Any]:
@@ -134,23 +138,26 @@ class Supervisor:
         return [r for r in self._ranks.values() if r.failure is not None]
 
     # ----------------------------------------------------------------------------- I/O
+    def _live_processes(self) -> list[WorkerProcess]:
+        return [p for p in self._processes if any(not self._ranks[r.rank].finished for r in p.ranks)]
+
     def _pump(self, wait: float | None) -> None:
         """Handle whatever is ready within ``wait`` seconds (None: until something happens)."""
-        no_pidfd = any(r.worker.exit_fd is None for r in self._live())
+        no_pidfd = any(p.exit_fd is None for p in self._live_processes())
         if no_pidfd:
             wait = _POLL_WITHOUT_PIDFD_S if wait is None else min(wait, _POLL_WITHOUT_PIDFD_S)
         for key, _ in self._selector.select(wait):
-            rank, kind = key.data
+            owner, kind = key.data
             if kind == _FD_WAKE:
                 os.read(self._wake_read, 4096)
             elif kind == _FD_EXIT:
-                self._on_exit(rank)
+                self._on_exit(owner)
             else:
-                self._read(rank, kind, key.fd)
+                self._read(owner, kind, key.fd)
         if no_pidfd:
-            for rank in self._live():
-                if rank.worker.exit_fd is None and rank.worker.poll() is not None:
-                    self._on_exit(rank)
+            for process in self._live_processes():
+                if process.exit_fd is None and process.poll() is not None:
+                    self._on_exit(process)
 
     def _read(self, rank: _Rank, kind: str, fd: int) -> bool:
         """Read one chunk; False at EOF or when nothing was there."""
@@ -172,7 +179,7 @@ class Supervisor:
         return True
 
     def _emit_lines(self, rank: _Rank, stream: str, lines: list[str], transient: str | None) -> None:
-        r = rank.worker.rank
+        r = rank.number
         if lines:
             rank.tail.extend(lines)
             self._emit(Output(rank=r, stream=stream, lines=tuple(lines)))
@@ -181,20 +188,20 @@ class Supervisor:
 
     def _drain(self, rank: _Rank) -> None:
         """Read everything a dead rank left in its pipes (its result may be the last of it)."""
-        w = rank.worker
-        for fd, kind in ((w.event_fd, _FD_EVENTS), (w.stdout_fd, _FD_STDOUT), (w.stderr_fd, _FD_STDERR)):
+        p = rank.pipes
+        for fd, kind in ((p.event_fd, _FD_EVENTS), (p.stdout_fd, _FD_STDOUT), (p.stderr_fd, _FD_STDERR)):
             if fd in self._selector.get_map():
                 while self._read(rank, kind, fd):
                     pass
         for fd in list(self._selector.get_map()):
-            if self._selector.get_key(fd).data[0] is rank:  # the wake pipe's rank is None
+            if self._selector.get_key(fd).data[0] is rank:
                 self._selector.unregister(fd)
         for kind, splitter in rank.splitters.items():
             self._emit_lines(rank, kind, splitter.flush(), None)
 
     # ----------------------------------------------------------------------------- frames
     def _on_frame(self, rank: _Rank, kind: bytes, body: bytes) -> None:
-        r = rank.worker.rank
+        r = rank.number
         if kind == wire.RESULT:
             try:
                 rank.result = pickle.loads(body)
@@ -220,24 +227,32 @@ class Supervisor:
             rank.failed_at = time.monotonic() if when is None else when
 
     # ----------------------------------------------------------------------------- exits
-    def _on_exit(self, rank: _Rank) -> None:
-        code = rank.worker.wait()
-        self._drain(rank)
-        rank.finished = True
-        w = rank.worker
-        w.signal_group(signal.SIGKILL)  # whatever it started (DataLoader workers) goes with it
+    def _on_exit(self, process: WorkerProcess) -> None:
+        code = process.wait()
+        if process.exit_fd is not None and process.exit_fd in self._selector.get_map():
+            self._selector.unregister(process.exit_fd)
+        process.signal_group(signal.SIGKILL)  # whatever it started (DataLoader workers) goes with it
+        for pipes in process.ranks:
+            rank = self._ranks[pipes.rank]
+            self._drain(rank)
+            rank.finished = True
+            self._judge(rank, code)
+
+    def _judge(self, rank: _Rank, code: int) -> None:
+        """Say how a rank ended, once its process has exited and its pipes are drained."""
+        process = rank.process
         if rank.has_result and rank.failure is None:
-            self._emit(RankFinished(rank=w.rank, state=RankState.DONE, exitcode=code))
+            self._emit(RankFinished(rank=rank.number, state=RankState.DONE, exitcode=code))
             return
         if rank.failure is None:
-            if w.killed_by_launcher:
-                self._emit(RankFinished(rank=w.rank, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
+            if process.killed_by_launcher:
+                self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
                 return
-            self._fail(rank, _failure_from_exit(w.rank, code, list(rank.tail)))
+            self._fail(rank, _failure_from_exit(rank.number, code, list(rank.tail)))
         failure = rank.failure
         failure.exitcode = code
         detail = failure.reason + ("\n" + failure.traceback if failure.traceback else "")
-        self._emit(RankFinished(rank=w.rank, state=RankState.FAILED, detail=detail, exitcode=code))
+        self._emit(RankFinished(rank=rank.number, state=RankState.FAILED, detail=detail, exitcode=code))
 
     # ----------------------------------------------------------------------------- stopping
     def _stop(self, stack_budget: float, *, fallback: bool) -> None:
@@ -245,18 +260,18 @@ class Supervisor:
         self._stopping = True
         asked = [r for r in self._live() if r.failure is None]
         for rank in asked:
-            rank.worker.request_stacks()
-        self._pump_until(lambda: all(r.finished or r.worker.rank in self._stacks for r in asked), stack_budget)
-        silent = [r for r in asked if not r.finished and r.worker.rank not in self._stacks]
+            rank.pipes.request_stacks()
+        self._pump_until(lambda: all(r.finished or r.number in self._stacks for r in asked), stack_budget)
+        silent = [r for r in asked if not r.finished and r.number not in self._stacks]
         if fallback and silent:
-            for rank in silent:  # faulthandler dumps from C, into the rank's stderr
+            for pid in {rank.process.pid for rank in silent}:  # faulthandler dumps from C, into stderr
                 try:
-                    os.kill(rank.worker.pid, signal.SIGUSR1)
+                    os.kill(pid, signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
             self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
-        for rank in self._live():
-            rank.worker.kill()
+        for process in self._live_processes():
+            process.kill()
 
     def _pump_until(self, done: Callable[[], bool], budget: float) -> None:
         end = time.monotonic() + budget
@@ -268,16 +283,17 @@ class Supervisor:
 
     def _teardown(self) -> None:
         """Kill and reap every rank, close every pipe. Runs on every path out of ``run``."""
-        for rank in self._live():
-            rank.worker.kill()
+        for process in self._live_processes():
+            process.kill()
         end = time.monotonic() + _REAP_BACKSTOP_S
         while self._live() and time.monotonic() < end:
             self._pump(0.1)
-        for rank in self._ranks.values():
-            if not rank.finished:  # stuck in the kernel (D state) past the backstop: reap blocking
-                rank.worker.wait()
-                rank.finished = True
-            rank.worker.close()
+        for process in self._processes:
+            if process.returncode is None:  # stuck in the kernel (D state) past the backstop: reap blocking
+                process.wait()
+            for pipes in process.ranks:
+                self._ranks[pipes.rank].finished = True
+            process.close()
         self._selector.close()
         with self._wake_lock:
             os.close(self._wake_read)

@@ -33,20 +33,39 @@ _LAUNCHER_FDS_LOCK = threading.Lock()
 
 
 @dataclass
-class WorkerProcess:
-    """The launcher's handle on one running rank."""
+class RankPipes:
+    """The launcher's ends of one rank's pipes."""
 
     rank: int
-    pid: int
     stdout_fd: int
     stderr_fd: int
     event_fd: int
     control_fd: int
+    payload_sender: threading.Thread | None = None  # spawned ranks: still writing the function
+
+    def request_stacks(self) -> None:
+        if self.payload_sender is not None and self.payload_sender.is_alive():
+            return  # the control pipe is still carrying the payload; the rank has not started
+        try:
+            os.write(self.control_fd, wire.encode(wire.DUMP_STACKS))
+        except OSError:
+            pass  # already gone
+
+
+@dataclass
+class WorkerProcess:
+    """The launcher's handle on one process it started, and the ranks that process hosts.
+
+    Fork and spawn start one process per rank. On XLA one host process runs ``xmp.spawn``,
+    whose processes (one per chip) run one thread per device: many ranks, one process group.
+    """
+
+    pid: int
+    ranks: list[RankPipes]
     exit_fd: int | None  # a pidfd: readable once the process has exited (None where unsupported)
     popen: subprocess.Popen | None = None  # spawned ranks only
     returncode: int | None = None
     killed_by_launcher: bool = False
-    payload_sender: threading.Thread | None = None  # spawned ranks: still writing the function
     _open_fds: list[int] = field(default_factory=list)
 
     def poll(self) -> int | None:
@@ -69,17 +88,9 @@ class WorkerProcess:
                 self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.returncode
 
-    def request_stacks(self) -> None:
-        if self.payload_sender is not None and self.payload_sender.is_alive():
-            return  # the control pipe is still carrying the payload; the rank has not started
-        try:
-            os.write(self.control_fd, wire.encode(wire.DUMP_STACKS))
-        except OSError:
-            pass  # already gone
-
     def signal_group(self, signum: int) -> None:
-        """Signal the rank and every process it started. Safe after reaping: a process group's
-        id is not reused while any member lives."""
+        """Signal the process and every process it started. Safe after reaping: a process
+        group's id is not reused while any member lives."""
         for send in (lambda: os.killpg(self.pid, signum), lambda: os.kill(self.pid, signum)):
             try:
                 send()
@@ -129,25 +140,25 @@ class _Pipes:
         return [self.stdout[1], self.stderr[1], self.events[1], self.control[0]]
 
 
-def _handle(rank: int, pid: int, pipes: _Pipes, popen: subprocess.Popen | None) -> WorkerProcess:
-    for fd in pipes.worker_ends:
-        os.close(fd)
+def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) -> WorkerProcess:
+    for pipes in ranks.values():
+        for fd in pipes.worker_ends:
+            os.close(fd)
+        for fd in (pipes.stdout[0], pipes.stderr[0], pipes.events[0]):
+            os.set_blocking(fd, False)
     try:
         exit_fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         exit_fd = None
-    for fd in (pipes.stdout[0], pipes.stderr[0], pipes.events[0]):
-        os.set_blocking(fd, False)
-    launcher_fds = pipes.launcher_ends + ([exit_fd] if exit_fd is not None else [])
+    launcher_fds = [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
+    launcher_fds += [exit_fd] if exit_fd is not None else []
     with _LAUNCHER_FDS_LOCK:
         _LAUNCHER_FDS.update(launcher_fds)
     return WorkerProcess(
-        rank=rank,
         pid=pid,
-        stdout_fd=pipes.stdout[0],
-        stderr_fd=pipes.stderr[0],
-        event_fd=pipes.events[0],
-        control_fd=pipes.control[1],
+        ranks=[
+            RankPipes(rank, p.stdout[0], p.stderr[0], p.events[0], p.control[1]) for rank, p in sorted(ranks.items())
+        ],
         exit_fd=exit_fd,
         popen=popen,
         _open_fds=launcher_fds,
@@ -180,7 +191,7 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
         os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
     except OSError:
         pass
-    return _handle(settings.rank, pid, pipes, popen=None)
+    return _handle(pid, {settings.rank: pipes}, popen=None)
 
 
 def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dict[str, str]) -> WorkerProcess:
@@ -198,11 +209,12 @@ def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dic
         env=env,
         start_new_session=True,  # a process group of its own, like a forked rank
     )
-    worker = _handle(settings.rank, popen.pid, pipes, popen=popen)
+    worker = _handle(popen.pid, {settings.rank: pipes}, popen=popen)
     payload = wire.encode(wire.PAYLOAD, pickle.dumps((settings, packed_function), protocol=pickle.HIGHEST_PROTOCOL))
     # A thread, because a large payload fills the pipe before the child starts reading it.
-    worker.payload_sender = threading.Thread(target=_send_payload, args=(worker.control_fd, payload), daemon=True)
-    worker.payload_sender.start()
+    rank = worker.ranks[0]
+    rank.payload_sender = threading.Thread(target=_send_payload, args=(rank.control_fd, payload), daemon=True)
+    rank.payload_sender.start()
     return worker
 
 
