@@ -12,14 +12,16 @@ Example::
     notebook_launcher(train, num_processes=2)   # [0, 1]
 """
 
-from nblaunch.launch.api import debug_launcher, notebook_launcher
+from nblaunch.launch.api import Launch, debug_launcher, notebook_launcher
 from nblaunch.launch.errors import (
     LaunchConfigError,
     LaunchTimeoutError,
     RankFailedError,
     RankFailure,
+    LaunchCancelledError,
     RemoteError,
 )
+from nblaunch.worker.progress import progress
 
 __version__ = "0.1.0"
 
@@ -46,6 +48,9 @@ __all__ = [
     "set_seed",
     "skip_first_batches",
     "debug_launcher",
+    "Launch",
+    "progress",
+    "LaunchCancelledError",
     "LaunchConfigError",
     "LaunchTimeoutError",
     "RankFailedError",

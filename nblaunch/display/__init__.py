@@ -20,13 +20,22 @@ class NoDisplay:
         pass
 
 
-def make_display(choice: str | Display) -> Display:
+def make_display(choice: str | Display, num_processes: int) -> Display:
     """The display for ``notebook_launcher(display=...)``: a name, or any object with
-    ``on_event`` and ``close`` (useful to record events in tests)."""
+    ``on_event`` and ``close`` (useful to record events in tests).
+
+    "auto" is the widget dashboard in a kernel whose frontend can show widgets, text elsewhere.
+    Call it on the launching cell's thread: a widget shows itself where it is made.
+    """
     if not isinstance(choice, str):
         return choice
     if choice == "none":
         return NoDisplay()
+    if choice in ("auto", "widget"):
+        from nblaunch.display.widget import WidgetDisplay, widgets_available
+
+        if choice == "widget" or widgets_available():
+            return WidgetDisplay(num_processes=num_processes)
     from nblaunch.display.text import TextDisplay
 
     return TextDisplay()

@@ -29,6 +29,8 @@ _METRICS_EVERY_S = 1.0
 class TextDisplay:
     """Prints ``[rank r] ...`` lines; ranks' stderr goes to the launcher's stderr."""
 
+    prints_to_cell = True  # a non-blocking launch must print from the launching cell's context
+
     def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
         self._out = out
         self._err = err

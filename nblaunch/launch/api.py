@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 import sys
 import threading
@@ -86,6 +87,9 @@ def notebook_launcher(
     launch = Launch(plan, function, args, timeout, display)
     if block:
         return launch._run()
+    set_stop_handler = getattr(launch._display, "set_stop_handler", None)
+    if set_stop_handler is not None:  # the widget's Stop button: it can only work when not blocking
+        set_stop_handler(launch.cancel)
     launch._start_in_background()
     return launch
 
@@ -133,7 +137,8 @@ class Launch:
         self.log_dir = new_log_dir()
         self._logs = LogFiles(self.log_dir, plan.num_processes)
         # Made here, on the caller's thread: a widget shows itself in the launching cell.
-        self._sink = Fanout(self._logs, make_display(display))
+        self._display = make_display(display, plan.num_processes)
+        self._sink = Fanout(self._logs, self._display)
 
     # ------------------------------------------------------------------ the handle
     @property
@@ -177,12 +182,14 @@ class Launch:
     # ------------------------------------------------------------------ running it
     def _start_in_background(self) -> None:
         # The thread forks the ranks and lives until they are reaped: PR_SET_PDEATHSIG fires when
-        # the forking thread exits. copy_context: ipykernel 7 keeps the launching cell in a
-        # context variable, so the thread's output lands in that cell, not the newest one.
-        context = contextvars.copy_context()
-        thread = threading.Thread(
-            target=context.run, args=(self._run_quietly,), name=f"nblaunch-{self.plan.function_name}", daemon=True
-        )
+        # the forking thread exits. A display that prints (text) runs in a copy of the caller's
+        # context: ipykernel 7 keeps the launching cell there, so late lines land in that cell.
+        # Widgets update through comm messages, which find their widget from any thread; tagging
+        # them with a finished cell would make nbclient/papermill drop them.
+        run = self._run_quietly
+        if getattr(self._display, "prints_to_cell", False):
+            run = functools.partial(contextvars.copy_context().run, self._run_quietly)
+        thread = threading.Thread(target=run, name=f"nblaunch-{self.plan.function_name}", daemon=True)
         thread.start()
 
     def _run_quietly(self) -> None:
@@ -278,6 +285,8 @@ def _finished_event(error: BaseException, started: float) -> LaunchFinished:
 
 def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[WorkerProcess]:
     workers = []
+    if plan.start_method == "fork":
+        _import_once_for_forked_ranks()
     packed = pickling.package(function, args) if plan.start_method == "spawn" else None
     for local_rank in range(plan.num_processes):
         settings = WorkerSettings(
@@ -299,6 +308,23 @@ def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[Wo
                 w.close()
             raise
     return workers
+
+
+# Building the first optimizer (or DDP) imports torch._dynamo: ~1 s of CPU in every process that
+# does it, 2-3 s when two ranks do it at once on 2 cores, at every launch. Imported here once,
+# every forked rank inherits it. Only when a training library is loaded (the launch will train),
+# so a launch that does not train pays nothing.
+_TRAINING_MODULES = ("nblaunch.training", "accelerate")
+
+
+def _import_once_for_forked_ranks() -> None:
+    if "torch" not in sys.modules or "torch._dynamo" in sys.modules:
+        return
+    if any(name in sys.modules for name in _TRAINING_MODULES):
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # an optimisation only: the ranks import it themselves if it fails here
+            pass
 
 
 def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:

@@ -10,6 +10,7 @@ its result or its exception, and leave with ``os._exit`` (never the parent's ate
 from __future__ import annotations
 
 import faulthandler
+import io
 import logging
 import os
 import pickle
@@ -25,6 +26,7 @@ import cloudpickle
 
 from nblaunch import wire
 from nblaunch.worker import channel, lifeline
+from nblaunch.worker.progress import install_tqdm_hook
 
 
 @dataclass
@@ -82,10 +84,45 @@ def main_spawned(argv: list[str]) -> NoReturn:
         _attach_streams(1, 2)
         settings, packed = pickle.loads(_read_payload(control_fd))
         sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
-        function, args = cloudpickle.loads(packed)
+        function, args = load_payload(packed)
         _run(settings, function, args, event_fd, control_fd)
     finally:
         os._exit(70)
+
+
+class _PayloadUnpickler(pickle.Unpickler):
+    """Unpickles a spawn payload; storages the launcher put in shared memory are mapped, not
+    copied (see ``nblaunch.launch.pickling.package``)."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self._storages: dict[tuple[int, int], Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        tag, owner, fd, size, dtype = pid
+        if tag != "nblaunch.shared-storage":
+            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        untyped = self._storages.get((owner, fd))
+        if untyped is None:
+            import torch
+
+            # The launcher's descriptor, opened anew: the same shared pages, mapped here.
+            local = os.open(f"/proc/{owner}/fd/{fd}", os.O_RDWR)
+            try:
+                untyped = torch.UntypedStorage._new_shared_fd_cpu(local, size)
+            finally:
+                os.close(local)
+            self._storages[(owner, fd)] = untyped
+        if dtype is None:
+            return untyped
+        import torch
+
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def load_payload(packed: bytes) -> tuple[Callable, tuple]:
+    """(function, args) from the bytes ``nblaunch.launch.pickling.package`` made."""
+    return _PayloadUnpickler(packed).load()
 
 
 def _read_payload(control_fd: int) -> bytes:
@@ -138,6 +175,7 @@ def _run(settings: WorkerSettings, function: Callable, args: tuple, event_fd: in
         if torch is not None:
             torch.set_num_threads(settings.threads)
     channel.open_channel(event_fd, settings.rank)
+    install_tqdm_hook()  # tqdm bars become progress events, drawn by the launcher
     # A C-level dump for ranks whose Python threads cannot answer (the GIL held by C code).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     threading.Thread(target=_watch_launcher, args=(control_fd,), name="nblaunch-watch", daemon=True).start()

@@ -1,0 +1,193 @@
+"""What a display knows about a launch: the events folded into one bounded picture.
+
+:class:`LaunchView` takes events one by one (``apply``) and remembers only what a dashboard
+shows: the plan, each rank's state, bars, last line and log tail, metric series and stacks.
+It also records which parts changed (``dirty``) so a display redraws only those. It has no
+widgets and no threads; the widget display owns the lock and the timer.
+
+Example::
+
+    view = LaunchView(max_lines=100)
+    view.apply(LaunchStarted(...), now=time.monotonic())
+    view.apply(Output(rank=0, stream="stdout", lines=("hello",)), now=time.monotonic())
+    view.ranks[0].log.view()[-1].text  # "hello"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nblaunch.display.logring import LogLine, LogRing
+from nblaunch.display.series import Series
+from nblaunch.events import (
+    Event,
+    LaunchFinished,
+    LaunchStarted,
+    Metrics,
+    Output,
+    Progress,
+    RankFinished,
+    RankStarted,
+    RankState,
+    Stacks,
+)
+
+# Names of the parts of the picture, as found in ``LaunchView.dirty``.
+HEADER, RANKS, METRICS, MERGED_LOG, SUMMARY = "header", "ranks", "metrics", "log:all", "summary"
+
+
+def rank_log(rank: int) -> str:
+    return f"log:{rank}"
+
+
+@dataclass
+class Bar:
+    """One progress bar of one rank; times are the display's clock when events arrived."""
+
+    bar_id: int
+    n: float
+    total: float | None
+    desc: str
+    closed: bool
+    first_n: float
+    first_t: float
+    last_t: float
+
+    def rate(self) -> float | None:
+        """Items per second since the bar was first seen."""
+        dt = self.last_t - self.first_t
+        return (self.n - self.first_n) / dt if dt > 0 and self.n > self.first_n else None
+
+
+@dataclass
+class RankView:
+    rank: int
+    log: LogRing
+    state: RankState = RankState.STARTING
+    pid: int | None = None
+    started_t: float | None = None
+    finished_t: float | None = None
+    bars: dict[int, Bar] = field(default_factory=dict)  # open bars, in creation order
+    last_closed: Bar | None = None  # shown when no bar is open
+    last_line: str = ""
+    detail: str = ""
+    exitcode: int | None = None
+    stacks: str | None = None
+
+    def shown_bars(self) -> list[Bar]:
+        """Open bars (outer loop first), or the last finished one."""
+        if self.bars:
+            return list(self.bars.values())
+        return [self.last_closed] if self.last_closed is not None else []
+
+
+class LaunchView:
+    """Everything shown about one launch, bounded by ``max_lines`` and ``max_points``."""
+
+    def __init__(self, max_lines: int = 500, max_points: int = 1000) -> None:
+        self.max_lines = max_lines
+        self.max_points = max_points
+        self.plan: LaunchStarted | None = None
+        self.started_t: float | None = None
+        self.finished: LaunchFinished | None = None
+        self.ranks: dict[int, RankView] = {}
+        self.merged = LogRing(max_lines)
+        # metric name -> rank -> series; dicts keep first-seen order, so charts do not jump around
+        self.metrics: dict[str, dict[int, Series]] = {}
+        self._implicit_steps: dict[tuple[str, int], int] = {}
+        self.dirty: set[str] = set()
+
+    # -- overall ----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> RankState:
+        if self.finished is not None:
+            return self.finished.state
+        if any(r.state is not RankState.STARTING for r in self.ranks.values()):
+            return RankState.RUNNING
+        return RankState.STARTING
+
+    def elapsed(self, now: float) -> float:
+        if self.finished is not None:
+            return self.finished.elapsed_s
+        return now - self.started_t if self.started_t is not None else 0.0
+
+    def log_path(self, rank: int) -> str | None:
+        log_dir = self.plan.log_dir if self.plan else None
+        return f"{log_dir.rstrip('/')}/rank{rank}.log" if log_dir else None
+
+    # -- events -----------------------------------------------------------------------------
+
+    def apply(self, event: Event, now: float) -> None:
+        """Fold one event into the picture and mark what changed."""
+        if isinstance(event, Output):
+            self._output(event)
+        elif isinstance(event, Progress):
+            self._progress(event, now)
+        elif isinstance(event, Metrics):
+            self._metrics(event)
+        elif isinstance(event, RankStarted):
+            rank = self.rank(event.rank)
+            rank.state, rank.pid, rank.started_t = RankState.RUNNING, event.pid, now
+            self.dirty |= {RANKS, HEADER}
+        elif isinstance(event, RankFinished):
+            rank = self.rank(event.rank)
+            rank.state, rank.detail, rank.exitcode = event.state, event.detail, event.exitcode
+            rank.finished_t = now
+            self.dirty |= {RANKS, HEADER}
+        elif isinstance(event, Stacks):
+            self.rank(event.rank).stacks = event.text
+            self.dirty |= {RANKS, SUMMARY}
+        elif isinstance(event, LaunchStarted):
+            self.plan, self.started_t = event, now
+            for r in range(event.num_processes):
+                self.rank(r)
+            self.dirty |= {HEADER, RANKS}
+        elif isinstance(event, LaunchFinished):
+            self.finished = event
+            self.dirty |= {HEADER, RANKS, SUMMARY}
+
+    def rank(self, rank: int) -> RankView:
+        view = self.ranks.get(rank)
+        if view is None:
+            view = self.ranks[rank] = RankView(rank, LogRing(self.max_lines))
+            self.ranks = dict(sorted(self.ranks.items()))
+        return view
+
+    def _output(self, event: Output) -> None:
+        rank = self.rank(event.rank)
+        for text in event.lines:
+            line = LogLine(event.rank, event.stream, text)
+            rank.log.add(line, event.transient)
+            self.merged.add(line, event.transient)
+            if text.strip():
+                rank.last_line = text
+        self.dirty |= {RANKS, rank_log(event.rank), MERGED_LOG}
+
+    def _progress(self, event: Progress, now: float) -> None:
+        rank = self.rank(event.rank)
+        bar = rank.bars.get(event.bar_id)
+        if bar is None:
+            bar = Bar(event.bar_id, event.n, event.total, event.desc, event.closed, event.n, now, now)
+            rank.bars[event.bar_id] = bar
+        bar.n, bar.total, bar.desc, bar.closed, bar.last_t = (
+            event.n, event.total, event.desc, event.closed, now
+        )
+        if event.closed:
+            rank.last_closed = rank.bars.pop(event.bar_id)
+        self.dirty.add(RANKS)
+
+    def _metrics(self, event: Metrics) -> None:
+        for name, value in event.values.items():
+            series = self.metrics.setdefault(name, {})
+            if event.rank not in series:
+                series[event.rank] = Series(self.max_points)
+                self.metrics[name] = dict(sorted(series.items()))
+            if event.step is not None:
+                step = event.step
+            else:  # no step given: number the values of this metric and rank 0, 1, 2, ...
+                key = (name, event.rank)
+                step = self._implicit_steps.get(key, 0)
+                self._implicit_steps[key] = step + 1
+            self.metrics[name][event.rank].add(float(step), float(value))
+        self.dirty.add(METRICS)

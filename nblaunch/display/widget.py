@@ -1,0 +1,240 @@
+"""A live dashboard for a launch, as ipywidgets in the launching cell.
+
+Creating a :class:`WidgetDisplay` shows it in the current cell's output; the launcher then
+feeds it events. Layout, top to bottom: a header (what runs, where, for how long, how it is
+going), a row per rank (state, progress bars, last line, elapsed), metric charts with the
+latest values, and the log tails in tabs (all ranks merged, then one per rank). When the launch
+ends, a static HTML summary is left below the widget, so a saved notebook shows what happened
+even where widgets do not render (GitHub, nbviewer, a kernel-less reopen).
+
+Why it stays cheap and correct:
+
+* ``on_event`` only folds the event into a :class:`~nblaunch.display.state.LaunchView` under a
+  lock (microseconds), so 100k lines of output do not slow the launch.
+* A timer thread redraws the parts that changed at most ``1 / refresh_s`` times a second by
+  setting the ``value`` of a few HTML widgets. Each update is one comm message with the current
+  tail (never a growing output), and comm messages go out on the kernel's IOPub thread, so they
+  reach the frontend while the kernel's main thread is busy in a blocking launch, and after the
+  cell has finished in a non-blocking one.
+* Nothing is printed or ``display``-ed from a background thread: the widget and an empty
+  placeholder (with a display id) are shown from the constructor, on the cell's thread; the
+  end-of-launch summary replaces the placeholder by its display id, which lands in the right
+  cell whichever thread sends it.
+
+Example (what ``notebook_launcher(..., display="widget")`` does)::
+
+    display = WidgetDisplay()
+    for event in events:
+        display.on_event(event)
+    display.close()
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from nblaunch.display import render
+from nblaunch.display.state import HEADER, MERGED_LOG, METRICS, RANKS, LaunchView, rank_log
+from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankStarted
+
+log = logging.getLogger(__name__)
+
+SUMMARY_DISPLAY_PREFIX = "nblaunch-summary-"
+
+
+def widgets_available() -> bool:
+    """True inside a Jupyter kernel whose frontends can show ipywidgets.
+
+    False in plain Python, terminal IPython, and Qt console / Spyder (kernels without a widget
+    manager). A kernel cannot know every frontend attached to it; jupyter console attached to
+    an ipykernel still reads as True.
+    """
+    if "ipykernel" not in sys.modules or importlib.util.find_spec("ipywidgets") is None:
+        return False
+    from IPython import get_ipython
+    from ipykernel.zmqshell import ZMQInteractiveShell
+
+    shell = get_ipython()
+    if not isinstance(shell, ZMQInteractiveShell):  # Colab's shell is a subclass
+        return False
+    if any(name == "QT_API" or name.startswith("SPYDER") for name in os.environ):
+        return False  # qtconsole / Spyder: kernels without a widget manager
+    return True
+
+
+class WidgetDisplay:
+    """The launch dashboard; implements the :class:`nblaunch.events.Display` protocol.
+
+    Args:
+        num_processes: the number of ranks, when known before the launch: every widget is then
+            made in the constructor, on the cell's thread, so even a client that only listens
+            while a cell runs (nbclient, papermill) sees them all. Otherwise the log tabs are
+            made when ``LaunchStarted`` arrives.
+        max_lines: lines of log kept per rank and for the merged view (the page never holds
+            more; full logs are on disk).
+        max_points: points kept per metric and rank (thinned evenly beyond that).
+        refresh_s: shortest time between two redraws.
+        show: display the widget now, in the current cell (False for tests that only inspect).
+
+    Example::
+
+        display = WidgetDisplay(max_lines=200)
+        display.widget  # the ipywidgets.VBox shown in the cell
+    """
+
+    def __init__(
+        self,
+        *,
+        num_processes: int | None = None,
+        max_lines: int = 300,
+        max_points: int = 1000,
+        refresh_s: float = 0.1,
+        show: bool = True,
+    ) -> None:
+        import ipywidgets as w
+
+        self._widgets = w
+        self._view = LaunchView(max_lines=max_lines, max_points=max_points)
+        self._lock = threading.Lock()  # the launch thread writes the view, the timer reads it
+        self._refresh_s = refresh_s
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        self._closed = False
+
+        self.header = w.HTML()
+        # Shown only for non-blocking launches: while a cell blocks, the kernel cannot hear a click.
+        self.stop_button = w.Button(
+            description="Stop", icon="stop", button_style="danger", tooltip="show every rank's stack, then stop all ranks",
+            layout=w.Layout(display="none", width="auto"),
+        )
+        self._on_stop: Any = None
+        self.stop_button.on_click(self._stop_clicked)
+        self.ranks = w.HTML()
+        self.metrics = w.HTML(layout=w.Layout(display="none"))  # no blank gap until a metric arrives
+        self.logs = w.Tab()
+        self.log_panes: dict[str, Any] = {}  # "all" / rank -> HTML widget with that log tail
+        self.widget = w.VBox(
+            [w.HBox([self.header, self.stop_button]), self.ranks, self.metrics, self.logs],
+            layout=w.Layout(width="100%", padding="4px 0"),
+        )
+        self.widget.add_class("nblaunch-dashboard")
+        self.summary_html = ""  # the static summary, once the launch is over
+        self._summary_handle: Any = None
+        if num_processes is not None:
+            self._build_log_tabs(list(range(num_processes)))
+        self._redraw(set(), time.monotonic())
+        if show:
+            from IPython.display import HTML, display
+
+            display(self.widget)
+            # Shown now, on the cell's thread, so the final summary can replace it from any thread.
+            self._summary_handle = display(HTML(""), display_id=True)
+
+    def set_stop_handler(self, stop: Any) -> None:
+        """Show the Stop button; clicking it calls ``stop()`` (a non-blocking launch's cancel)."""
+        self._on_stop = stop
+        self.stop_button.layout.display = None
+
+    def _stop_clicked(self, _button: Any) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping…"
+        if self._on_stop is not None:
+            self._on_stop()
+
+    # -- the Display protocol ----------------------------------------------------------------
+
+    def on_event(self, event: Event) -> None:
+        """Fold one event in; drawing happens on the timer thread (or now, for the last event)."""
+        now = time.monotonic()
+        with self._lock:
+            self._view.apply(event, now)
+        if isinstance(event, LaunchStarted):
+            with self._lock:
+                ranks = list(self._view.ranks)
+            self._build_log_tabs(ranks)
+            self._redraw(None, now)
+        elif isinstance(event, RankStarted):
+            # Started only once workers exist: forking while this thread renders would be needless risk.
+            self._start_timer()
+        elif isinstance(event, LaunchFinished):
+            self._finish()
+
+    def close(self) -> None:
+        """Stop redrawing and leave the final picture (and summary) in place. Idempotent."""
+        self._finish()
+
+    # -- drawing -----------------------------------------------------------------------------
+
+    def _build_log_tabs(self, ranks: list[int]) -> None:
+        with self._lock:
+            self._view.dirty |= {MERGED_LOG} | {rank_log(r) for r in ranks}  # draw the empty panes
+        if list(self.log_panes) == ["all"] + [str(r) for r in ranks]:
+            return  # made in the constructor already
+        w = self._widgets
+        self.log_panes = {"all": w.HTML()} | {str(r): w.HTML() for r in ranks}
+        self.logs.children = list(self.log_panes.values())
+        self.logs.titles = ["all ranks"] + [f"rank {r}" for r in ranks]
+
+    def _start_timer(self) -> None:
+        if self._timer is None and not self._closed:
+            self._timer = threading.Thread(target=self._tick, name="nblaunch-display", daemon=True)
+            self._timer.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self._refresh_s):
+            try:
+                self._redraw(None, time.monotonic())
+            except Exception:  # a drawing bug must not take the launch down with it
+                log.exception("nblaunch: the launch dashboard stopped updating")
+                return
+
+    def _redraw(self, parts: set[str] | None, now: float) -> None:
+        """Redraw ``parts`` (None: whatever changed since the last redraw) and the clocks.
+
+        HTML is rendered under the lock, widgets are updated outside it; a widget whose value
+        did not change sends nothing.
+        """
+        with self._lock:
+            view = self._view
+            if parts is None:
+                parts = set(view.dirty)
+            view.dirty -= parts
+            values: list[tuple[Any, str]] = [
+                (self.header, render.header_html(view, now)),
+                (self.ranks, render.ranks_html(view, now)),  # elapsed times tick without events
+            ]
+            if METRICS in parts and view.metrics:
+                values.append((self.metrics, render.metrics_html(view)))
+            for key, pane in self.log_panes.items():
+                rank = None if key == "all" else int(key)
+                if (MERGED_LOG if rank is None else rank_log(rank)) in parts:
+                    values.append((pane, render.log_html(view, rank)))
+        for widget, value in values:
+            widget.value = value
+        if self.metrics.value and self.metrics.layout.display == "none":
+            self.metrics.layout.display = None
+
+    def _finish(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_button.layout.display = "none"
+        self._stop.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join()
+        now = time.monotonic()
+        self._redraw({HEADER, RANKS, METRICS, MERGED_LOG} | {rank_log(r) for r in self._view.ranks}, now)
+        with self._lock:
+            if self._view.plan is None:  # closed before anything was launched: nothing to record
+                return
+            self.summary_html = render.summary_html(self._view, now)
+        if self._summary_handle is not None:
+            from IPython.display import HTML
+
+            self._summary_handle.update(HTML(self.summary_html))

@@ -1,0 +1,58 @@
+"""Run by test_progress.py as a child process: a stand-in for a rank that uses tqdm.
+
+Usage: python tqdm_worker.py EVENT_FD SCENARIO. Frames go to EVENT_FD through the real channel,
+as in a launched worker; anything tqdm draws would land on this process's stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from nblaunch.worker import channel
+from nblaunch.worker.progress import install_tqdm_hook
+
+
+def lazy() -> None:
+    """The hook is installed before tqdm is imported, as in a spawned worker."""
+    install_tqdm_hook()
+    assert "tqdm" not in sys.modules, "installing the hook must not import tqdm"
+    from tqdm import tqdm, trange
+    from tqdm.auto import tqdm as auto_tqdm
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    for _ in tqdm(range(500), desc="std", mininterval=0):
+        pass
+    for _ in auto_tqdm(range(300), desc="auto", disable=None):  # disable=None: off on non-ttys
+        pass
+    bar = notebook_tqdm(total=40, desc="notebook", leave=False)
+    for _ in range(40):
+        bar.update(1)
+    bar.set_postfix(loss=0.25)
+    bar.close()
+    for _ in trange(5, desc="nested outer"):
+        for _ in tqdm(range(3), desc="nested inner", leave=False):
+            pass
+    tqdm.write("a line written with tqdm.write")
+
+
+def imported_before() -> None:
+    """tqdm (and tqdm.notebook, as in a worker forked from a kernel) is imported before the hook."""
+    import ipykernel.zmqshell  # noqa: F401  tqdm.autonotebook reads this as "in a notebook"
+    from IPython.core.interactiveshell import InteractiveShell
+
+    InteractiveShell.instance()
+    from ipywidgets.widgets.widget import _instances as live_widgets
+    from tqdm.auto import tqdm
+    from tqdm.notebook import tqdm_notebook
+
+    assert issubclass(tqdm, tqdm_notebook), "tqdm.auto should have chosen the notebook bars"
+    install_tqdm_hook()
+    for _ in tqdm(range(100), desc="auto from a kernel"):
+        pass
+    assert not live_widgets, "a worker must not build widgets"
+
+
+if __name__ == "__main__":
+    channel.open_channel(int(sys.argv[1]), rank=0)
+    {"lazy": lazy, "imported_before": imported_before}[sys.argv[2]]()
+    channel.close_channel()
