@@ -28,6 +28,9 @@ __version__ = "0.1.0"
 # The training side (torch.nn, DDP, ...) loads on first use, not when the launcher is imported.
 _TRAINING_NAMES = {
     "Accelerator", "PartialState", "GradientState", "DistributedType", "set_seed", "skip_first_batches",
+    # Accelerate's configuration classes, so scripts that import them keep working
+    "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
+    "GradientAccumulationPlugin", "AutocastKwargs",
 }
 
 
@@ -47,6 +50,11 @@ __all__ = [
     "DistributedType",
     "set_seed",
     "skip_first_batches",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "AutocastKwargs",
     "debug_launcher",
     "Launch",
     "progress",

@@ -11,6 +11,20 @@ import pytest
 from nblaunch.worker.lifeline import PROCESS_NAME_PREFIX
 
 
+def _step_an_optimizer_once() -> None:
+    """torch's first optimizer step (its lazy import of torch._dynamo) sets
+    TORCHINDUCTOR_CACHE_DIR in os.environ. Do it at collection, so environ_unchanged below sees
+    only what a launch changes, not what torch does to any process that trains."""
+    import torch
+
+    weight = torch.nn.Parameter(torch.zeros(1))
+    weight.grad = torch.zeros(1)
+    torch.optim.SGD([weight], lr=0.1).step()
+
+
+_step_an_optimizer_once()
+
+
 def leftover_ranks(since: float) -> list[psutil.Process]:
     """Live rank processes that are ours: our descendants, or orphans born since ``since``."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -1,0 +1,29 @@
+"""The training side of nblaunch: an Accelerate-compatible ``Accelerator`` for each worker.
+
+Example::
+
+    from nblaunch.training import Accelerator, set_seed
+
+    def train():
+        set_seed(0)
+        accelerator = Accelerator()
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        ...
+"""
+
+from nblaunch.training.accelerator import (Accelerator, AutocastKwargs, DataLoaderConfiguration,
+                                           DistributedDataParallelKwargs, GradientAccumulationPlugin,
+                                           GradScalerKwargs)
+from nblaunch.training.data import skip_first_batches
+from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gather_object,
+                                   pad_across_processes, reduce, send_to_device)
+from nblaunch.training.seed import set_seed
+from nblaunch.training.state import DistributedType, GradientState, PartialState, reset_process_state
+
+__all__ = [
+    "Accelerator", "PartialState", "GradientState", "DistributedType", "reset_process_state",
+    "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
+    "GradientAccumulationPlugin", "AutocastKwargs", "set_seed", "skip_first_batches",
+    "gather", "gather_object", "reduce", "pad_across_processes", "broadcast",
+    "broadcast_object_list", "send_to_device",
+]

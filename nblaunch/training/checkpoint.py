@@ -1,0 +1,107 @@
+"""``save_state`` / ``load_state``: everything needed to resume a run where it stopped.
+
+Layout of a checkpoint directory (files of the main process unless marked per rank)::
+
+    model.bin, model_1.bin, ...          state dicts of the unwrapped models
+    optimizer.bin, optimizer_1.bin, ...
+    scheduler.bin, ...
+    scaler.pt                            the fp16 GradScaler
+    custom_checkpoint_0.pkl, ...         objects passed to register_for_checkpointing
+    rank_{r}.pkl                         per rank: RNG states, data positions, accumulation step
+
+The data position of every prepared DataLoader (epoch, shuffle seed, batches consumed) is
+restored too, so the next ``for batch in loader`` continues the interrupted epoch exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nblaunch.training.seed import get_rng_states, set_rng_states
+
+if TYPE_CHECKING:
+    from nblaunch.training.accelerator import Accelerator
+
+__all__ = ["save_state", "load_state"]
+
+
+def _name(stem: str, i: int, ext: str) -> str:
+    return f"{stem}.{ext}" if i == 0 else f"{stem}_{i}.{ext}"
+
+
+def save_state(acc: "Accelerator", output_dir: str | os.PathLike) -> str:
+    output_dir = os.fspath(output_dir)
+    state = acc.state
+    if state.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        for i, model in enumerate(acc._models):
+            torch.save(acc.get_state_dict(model), os.path.join(output_dir, _name("model", i, "bin")))
+        for i, opt in enumerate(acc._optimizers):
+            torch.save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
+        for i, sched in enumerate(acc._schedulers):
+            torch.save(sched.scheduler.state_dict(), os.path.join(output_dir, _name("scheduler", i, "bin")))
+        if acc.scaler is not None:
+            torch.save(acc.scaler.state_dict(), os.path.join(output_dir, "scaler.pt"))
+        for i, obj in enumerate(acc._custom_objects):
+            torch.save(obj.state_dict(), os.path.join(output_dir, f"custom_checkpoint_{i}.pkl"))
+    else:
+        os.makedirs(output_dir, exist_ok=True)  # a per-node disk has no main process writing it
+    rank_state = {
+        "rng": get_rng_states(),
+        "dataloaders": [loader.state_dict() for loader in acc._dataloaders],
+        "step": acc.gradient_state.step,
+        "num_processes": state.num_processes,
+    }
+    with open(os.path.join(output_dir, f"rank_{state.process_index}.pkl"), "wb") as f:
+        pickle.dump(rank_state, f)
+    acc.wait_for_everyone()  # nobody reads the checkpoint before it is complete
+    return output_dir
+
+
+def _load(path: str, map_location: Any) -> Any:
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def load_state(acc: "Accelerator", input_dir: str | os.PathLike, strict: bool = True) -> None:
+    input_dir = os.fspath(input_dir)
+    if not os.path.isdir(input_dir):
+        raise FileNotFoundError(f"checkpoint directory {input_dir!r} does not exist")
+    device = acc.device
+    for i, model in enumerate(acc._models):
+        sd = _load(os.path.join(input_dir, _name("model", i, "bin")), "cpu")
+        acc.unwrap_model(model).load_state_dict(sd, strict=strict)
+    for i, opt in enumerate(acc._optimizers):
+        # Optimizer.load_state_dict moves the state onto each parameter's device.
+        opt.optimizer.load_state_dict(_load(os.path.join(input_dir, _name("optimizer", i, "bin")), "cpu"))
+    for i, sched in enumerate(acc._schedulers):
+        sched.scheduler.load_state_dict(_load(os.path.join(input_dir, _name("scheduler", i, "bin")), "cpu"))
+    scaler_path = os.path.join(input_dir, "scaler.pt")
+    if acc.scaler is not None and os.path.exists(scaler_path):
+        acc.scaler.load_state_dict(_load(scaler_path, "cpu"))
+    for i, obj in enumerate(acc._custom_objects):
+        obj.load_state_dict(_load(os.path.join(input_dir, f"custom_checkpoint_{i}.pkl"), device))
+    rank_path = os.path.join(input_dir, f"rank_{acc.state.process_index}.pkl")
+    if not os.path.exists(rank_path):
+        warnings.warn(f"{rank_path} is missing (saved with fewer processes?): this rank's random "
+                      "states and data positions are not restored", stacklevel=3)
+        return
+    with open(rank_path, "rb") as f:
+        rank_state = pickle.load(f)
+    if rank_state.get("num_processes") != acc.state.num_processes:
+        warnings.warn(f"checkpoint saved with {rank_state.get('num_processes')} processes, loading "
+                      f"with {acc.state.num_processes}: data positions are not restored", stacklevel=3)
+    else:
+        positions = rank_state["dataloaders"]
+        if len(positions) != len(acc._dataloaders):
+            warnings.warn(f"checkpoint has {len(positions)} DataLoader positions, "
+                          f"{len(acc._dataloaders)} DataLoaders are prepared: restoring in order",
+                          stacklevel=3)
+        for loader, position in zip(acc._dataloaders, positions):
+            loader.load_state_dict(position)
+    acc.gradient_state.step = rank_state.get("step", 0)
+    set_rng_states(rank_state["rng"])

@@ -1,0 +1,224 @@
+"""Collectives over tensors and nested structures of tensors (tuples, lists, dicts).
+
+Every function works with one process too (then it returns its input, as Accelerate does).
+Gathers first exchange the shapes, so tensors of different shapes on different ranks raise the
+same clear ``ValueError`` on every rank instead of hanging or failing deep inside gloo/nccl.
+
+Example::
+
+    from nblaunch.training import ops
+    predictions = ops.gather(logits.argmax(-1))   # every rank gets all ranks' predictions
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from nblaunch.training.state import PartialState
+
+__all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast",
+           "broadcast_object_list", "recursively_apply", "send_to_device", "concatenate",
+           "ShapeMismatchError"]
+
+_MAX_DIMS = 8  # the shape header holds this many dimensions
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class ShapeMismatchError(ValueError):
+    """Tensors handed to a collective differ in shape or dtype between ranks."""
+
+
+def recursively_apply(function: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """Apply ``function`` to every tensor in a nested tuple/list/dict; other leaves are kept."""
+    if isinstance(data, torch.Tensor):
+        return function(data)
+    if isinstance(data, (tuple, list)):
+        items = [recursively_apply(function, d) for d in data]
+        if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*items)
+        return type(data)(items)
+    if isinstance(data, dict):
+        items = {k: recursively_apply(function, v) for k, v in data.items()}
+        try:
+            return type(data)(items)
+        except TypeError:
+            return items
+    return data
+
+
+def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in ``data`` to ``device``."""
+    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
+
+
+def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.ndim > _MAX_DIMS:
+        raise ValueError(f"gather supports tensors of up to {_MAX_DIMS} dimensions")
+    values = [tensor.ndim, _DTYPE_CODE.get(tensor.dtype, -1)] + list(tensor.shape)
+    values += [-1] * (_MAX_DIMS + 2 - len(values))
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _exchange_headers(tensor: torch.Tensor, state: PartialState) -> list[tuple[int, ...]]:
+    """Every rank's (dtype, shape) of ``tensor``; one small all_gather."""
+    mine = _header(tensor, state.device)
+    headers = [torch.empty_like(mine) for _ in range(state.num_processes)]
+    dist.all_gather(headers, mine)
+    out = []
+    for h in headers:
+        values = h.tolist()
+        out.append((values[1],) + tuple(values[2:2 + values[0]]))
+    return out
+
+
+def _describe(headers: list[tuple[int, ...]]) -> str:
+    parts = []
+    for rank, h in enumerate(headers):
+        dtype = _DTYPES[h[0]] if 0 <= h[0] < len(_DTYPES) else "?"
+        parts.append(f"rank {rank}: shape {tuple(h[1:])} {dtype}")
+    return "; ".join(parts)
+
+
+def _gather_one(tensor: torch.Tensor, state: PartialState, allow_uneven_dim0: bool) -> torch.Tensor:
+    if tensor.ndim == 0:
+        tensor = tensor.reshape(1)
+    tensor = tensor.contiguous()
+    headers = _exchange_headers(tensor, state)
+    first = headers[0]
+    if all(h == first for h in headers):
+        parts = [torch.empty_like(tensor) for _ in range(state.num_processes)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts, dim=0)
+    same_rest = all(h[0] == first[0] and h[2:] == first[2:] and len(h) == len(first)
+                    for h in headers)
+    if not (allow_uneven_dim0 and same_rest):
+        raise ShapeMismatchError(
+            "gather needs tensors of the same shape and dtype on every process, got "
+            f"{_describe(headers)}. Use accelerator.pad_across_processes first, or "
+            "gather_for_metrics (which accepts different lengths along dimension 0)."
+        )
+    # Different lengths along dim 0: pad to the longest, gather, cut each part back.
+    lengths = [h[1] for h in headers]
+    longest = max(lengths)
+    padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in range(state.num_processes)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, lengths)], dim=0)
+
+
+def gather(data: Any, *, allow_uneven_dim0: bool = False) -> Any:
+    """Concatenate every process's tensors along dimension 0, on every process.
+
+    0-d tensors become one element per process. Nested tuples/lists/dicts are gathered leaf by
+    leaf. With one process the input is returned unchanged.
+    """
+    state = PartialState()
+    if state.num_processes == 1:
+        return data
+    return recursively_apply(lambda t: _gather_one(t, state, allow_uneven_dim0), data)
+
+
+def gather_object(obj: Any) -> list:
+    """Gather picklable objects from every process.
+
+    A list (or tuple) from each process is flattened into one list in rank order; any other
+    object gives a list with one entry per process. With one process ``obj`` is returned as is.
+    """
+    state = PartialState()
+    if state.num_processes == 1:
+        return obj
+    parts: list[Any] = [None] * state.num_processes
+    dist.all_gather_object(parts, obj)
+    if isinstance(obj, (list, tuple)):
+        return [item for part in parts for item in part]
+    return parts
+
+
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    """Sum (``"sum"``) or average (``"mean"``) tensors over processes; the input is not changed."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', not {reduction!r}")
+    state = PartialState()
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if state.num_processes > 1 and reduction != "none":
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            if reduction == "mean":
+                out /= state.num_processes
+        if scale != 1.0:
+            out *= scale
+        return out
+
+    return recursively_apply(one, data)
+
+
+def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad tensors along ``dim`` to the largest size over all processes (so they can be gathered)."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return data
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim == 0:
+            return t
+        d = dim if dim >= 0 else t.ndim + dim
+        sizes = torch.tensor([t.ndim, t.shape[d] if d < t.ndim else -1], device=state.device)
+        all_sizes = [torch.empty_like(sizes) for _ in range(state.num_processes)]
+        dist.all_gather(all_sizes, sizes)
+        ndims = {int(s[0]) for s in all_sizes}
+        if len(ndims) != 1 or d >= t.ndim:
+            raise ShapeMismatchError(
+                f"pad_across_processes(dim={dim}) needs tensors with the same number of "
+                f"dimensions on every process, got {sorted(ndims)}")
+        longest = max(int(s[1]) for s in all_sizes)
+        if longest == t.shape[d]:
+            return t
+        shape = list(t.shape)
+        shape[d] = longest
+        out = t.new_full(shape, pad_index)
+        index = [slice(None)] * t.ndim
+        index[d] = slice(longest - t.shape[d], longest) if pad_first else slice(0, t.shape[d])
+        out[tuple(index)] = t
+        return out
+
+    return recursively_apply(one, data)
+
+
+def broadcast(data: Any, from_process: int = 0) -> Any:
+    """Copy tensors of ``from_process`` into the same tensors on every process (in place)."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return data
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(one, data)
+
+
+def broadcast_object_list(objects: list, from_process: int = 0) -> list:
+    """Replace the items of ``objects`` by those of ``from_process`` (in place, picklable items)."""
+    state = PartialState()
+    if state.num_processes > 1:
+        dist.broadcast_object_list(objects, src=from_process)
+    return objects
+
+
+def concatenate(parts: list[Any], dim: int = 0) -> Any:
+    """Concatenate a list of equally-structured nested tensors."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=dim)
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenate([p[i] for p in parts], dim) for i in range(len(first)))
+    if isinstance(first, dict):
+        return type(first)({k: concatenate([p[k] for p in parts], dim) for k in first})
+    raise TypeError(f"cannot concatenate {type(first).__name__}")

@@ -1,0 +1,355 @@
+"""Per-process distributed state: who am I, how many of us, which device, which process group.
+
+:class:`PartialState` is what Accelerate calls the same thing: a shared ("Borg") object, so every
+``PartialState()`` in a process sees the same rank, device and process group. It is built from the
+variables the launcher sets in every worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...); with
+none of them set it describes a single, non-distributed process.
+
+Unlike Accelerate, the state can be thrown away: :func:`reset_process_state` destroys the process
+group nblaunch created (never one it adopted) and forgets everything, and a state inherited through
+``fork`` or built under other launch variables is rebuilt on its own. So an ``Accelerator`` made in
+the notebook never stops a later ``notebook_launcher`` from working.
+
+Example::
+
+    from nblaunch.training import PartialState
+    state = PartialState()
+    print(state.process_index, state.num_processes, state.device)
+    with state.main_process_first():
+        download_dataset()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import os
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedType", "PartialState", "GradientState", "reset_process_state"]
+
+# The launch variables; a state built under other values (or in another pid) is stale.
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "NBLAUNCH_FORCE_CPU")
+
+
+class DistributedType(str, enum.Enum):
+    """How this process takes part in training (the names Accelerate uses)."""
+
+    NO = "NO"  # one process, no process group
+    MULTI_CPU = "MULTI_CPU"  # several processes, gloo
+    MULTI_GPU = "MULTI_GPU"  # several processes, one CUDA device each, nccl
+    XLA = "XLA"  # TPU through torch_xla: a hook only, see _init_xla
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def _launch_key() -> tuple:
+    return (os.getpid(),) + tuple(os.environ.get(name) for name in _LAUNCH_VARIABLES)
+
+
+def _wants_xla() -> bool:
+    # Only an explicit request selects XLA; torch_xla being installed is not enough.
+    return os.environ.get("NBLAUNCH_DISTRIBUTED_TYPE", "").upper() == "XLA" or (
+        os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+    )
+
+
+def _init_xla(state: "PartialState") -> None:
+    """The XLA/TPU branch. Left as a hook: TPU support is a separate piece of work.
+
+    It must set ``process_index``, ``local_process_index``, ``num_processes``, ``device``
+    (``torch_xla.core.xla_model.xla_device()``) and initialise the ``xla`` backend.
+    """
+    raise NotImplementedError(
+        "TPU/XLA training is not supported by nblaunch.training yet (PJRT_DEVICE=TPU or "
+        "NBLAUNCH_DISTRIBUTED_TYPE=XLA was set). Unset it to train on CPU or CUDA."
+    )
+
+
+class PartialState:
+    """The distributed state of this process, shared by every instance in the process.
+
+    Args:
+        cpu: train on the CPU (gloo) even if CUDA is available. ``NBLAUNCH_FORCE_CPU=1`` (set by
+            ``debug_launcher``) does the same.
+        backend: process-group backend; default gloo on CPU, nccl on CUDA.
+        timeout: timeout of the process group's collectives.
+
+    Attributes: ``process_index``, ``local_process_index``, ``num_processes``,
+    ``num_local_processes``, ``device``, ``distributed_type``, ``backend``, ``is_main_process``,
+    ``is_local_main_process``, ``is_last_process``, ``use_distributed``.
+
+    If a process group already exists (one a cluster engine created), it is adopted: its rank and
+    size are used, and :func:`reset_process_state` leaves it alone.
+    """
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, cpu: bool = False, backend: str | None = None,
+                 timeout: timedelta | None = None, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        cpu = bool(cpu) or os.environ.get("NBLAUNCH_FORCE_CPU", "") not in ("", "0")
+        if self._shared_state.get("_initialized"):
+            if self._key == _launch_key() and (self._cpu == cpu or self._cpu_irrelevant(cpu)):
+                return
+            if self._owns_group and dist.is_initialized() and self._key[0] == os.getpid():
+                raise RuntimeError(
+                    "The process state was created with other settings (cpu="
+                    f"{self._cpu}, backend={self.backend}); call "
+                    "nblaunch.training.state.reset_process_state() before changing them."
+                )
+            # Stale: inherited through fork or built under other launch variables; nothing of
+            # it can be used here, and the group (if any) is not ours to destroy in this pid.
+            self._shared_state.clear()
+        self._build(cpu, backend, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for missing attributes: after reset_process_state() everything is missing.
+        if not name.startswith("__") and not self._shared_state.get("_initialized"):
+            raise RuntimeError(
+                f"PartialState.{name}: the process state was reset (reset_process_state()); "
+                "create a new Accelerator or PartialState")
+        raise AttributeError(name)
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _cpu_irrelevant(self, cpu: bool) -> bool:
+        # Asking for the CPU changes nothing where there is no CUDA device anyway.
+        return self.device.type == "cpu" and (cpu or not torch.cuda.is_available())
+
+    def _build(self, cpu: bool, backend: str | None, timeout: timedelta | None) -> None:
+        s = self._shared_state
+        s["_cpu"] = cpu
+        s["_owns_group"] = False
+        s["_key"] = _launch_key()
+        if _wants_xla():
+            _init_xla(self)
+        use_cuda = not cpu and torch.cuda.is_available()
+        if dist.is_available() and dist.is_initialized():
+            # Adopt the group someone else made; local rank from the environment if given.
+            rank, world = dist.get_rank(), dist.get_world_size()
+            local_world = _env_int("LOCAL_WORLD_SIZE", world)
+            local_rank = _env_int("LOCAL_RANK", rank % max(local_world, 1))
+            s["backend"] = dist.get_backend()
+            use_cuda = use_cuda and s["backend"] != "gloo"
+        else:
+            world = _env_int("WORLD_SIZE", 1)
+            rank = _env_int("RANK", 0)
+            local_rank = _env_int("LOCAL_RANK", rank)
+            local_world = _env_int("LOCAL_WORLD_SIZE", world)
+            s["backend"] = None
+            if world > 1:
+                backend = backend or ("nccl" if use_cuda else "gloo")
+                if use_cuda:  # before nccl touches a device
+                    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+                init_kwargs: dict[str, Any] = {"backend": backend, "init_method": "env://",
+                                               "rank": rank, "world_size": world}
+                if timeout is not None:
+                    init_kwargs["timeout"] = timeout
+                dist.init_process_group(**init_kwargs)
+                s["backend"] = backend
+                s["_owns_group"] = True
+        s["process_index"] = rank
+        s["local_process_index"] = local_rank
+        s["num_processes"] = world
+        s["num_local_processes"] = local_world
+        if use_cuda:
+            # One visible device per rank (CUDA_VISIBLE_DEVICES narrowed) or all of them.
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        s["device"] = device
+        if world > 1:
+            s["distributed_type"] = DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU
+        else:
+            s["distributed_type"] = DistributedType.NO
+        s["_initialized"] = True
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self._shared_state.get("_initialized"))
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when collectives go through a process group (more than one process)."""
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def adopted_process_group(self) -> bool:
+        """True when the process group was made by someone else (never destroyed by us)."""
+        return self.use_distributed and not self._owns_group
+
+    def __repr__(self) -> str:
+        return (f"Distributed environment: {self.distributed_type.value}\n"
+                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n")
+
+    # -- synchronisation ------------------------------------------------------------------------
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point (a barrier); no-op with one process."""
+        if self.num_processes > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on the main process first, then on the others (e.g. a download)."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Like :meth:`main_process_first`, per node."""
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Give each process its contiguous share of a list, tuple, tensor or dict of those.
+
+        The first ``len % num_processes`` processes get one item more; with ``apply_padding`` the
+        others repeat their last item so every share has the same length (for ``gather``).
+
+        Example::
+
+            with state.split_between_processes(["a", "b", "c"]) as prompts:
+                ...  # rank 0: ["a", "b"], rank 1: ["c"]
+        """
+        yield _split(inputs, self.process_index, self.num_processes, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- decorators -----------------------------------------------------------------------------
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on the main process only (others get None)."""
+        return self._on(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self._on(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self._on(function, lambda: self.is_last_process)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None):
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._on(function, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _on(function: Callable, test: Callable[[], bool]) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            return function(*args, **kwargs) if test() else None
+        return wrapper
+
+
+class GradientState:
+    """Gradient-accumulation bookkeeping of one Accelerator (not shared between Accelerators).
+
+    ``sync_gradients`` is True on the micro-step where gradients are all-reduced and the optimizer
+    really steps; ``end_of_dataloader`` is True while the last batch of a prepared DataLoader is
+    being processed; ``active_dataloader`` is the prepared DataLoader being iterated (innermost).
+    """
+
+    __slots__ = ("num_steps", "sync_gradients", "step", "_loaders", "sync_with_dataloader")
+
+    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True) -> None:
+        self.num_steps = num_steps
+        self.sync_gradients = True
+        self.step = 0  # micro-steps since the last sync
+        self._loaders: list[Any] = []  # prepared DataLoaders being iterated, innermost last
+        self.sync_with_dataloader = sync_with_dataloader
+
+    @property
+    def active_dataloader(self) -> Any:
+        return self._loaders[-1] if self._loaders else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self._loaders)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """True while the last batch of the innermost prepared DataLoader is being used."""
+        return self._loaders[-1].end_of_dataloader if self._loaders else False
+
+    def _enter_loader(self, loader: Any) -> None:
+        self._loaders.append(loader)
+
+    def _leave_loader(self, loader: Any) -> None:
+        for i in range(len(self._loaders) - 1, -1, -1):
+            if self._loaders[i] is loader:
+                del self._loaders[i]
+                break
+
+    def __repr__(self) -> str:
+        return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "
+                f"end_of_dataloader={self.end_of_dataloader})")
+
+
+def _split(inputs: Any, index: int, count: int, apply_padding: bool) -> Any:
+    if isinstance(inputs, dict):
+        return {k: _split(v, index, count, apply_padding) for k, v in inputs.items()}
+    length = len(inputs)
+    per, extra = divmod(length, count)
+    start = index * per + min(index, extra)
+    end = start + per + (1 if index < extra else 0)
+    part = inputs[start:end]
+    if apply_padding and extra and index >= extra and length:
+        last = inputs[end - 1: end] if end > start else inputs[-1:]
+        if isinstance(part, torch.Tensor):
+            part = torch.cat([part, last])
+        else:
+            part = part + type(part)(last)
+    return part
+
+
+def reset_process_state() -> None:
+    """Forget this process's distributed state; destroy the process group if nblaunch made it.
+
+    A group that was adopted (created by someone else) is left alone. Safe to call at any time,
+    also when nothing was ever initialised. The launcher calls it for in-process launches; tests
+    call it between cases.
+    """
+    s = PartialState._shared_state
+    if (s.get("_owns_group") and s.get("_key", (None,))[0] == os.getpid()
+            and dist.is_available() and dist.is_initialized()):
+        dist.destroy_process_group()
+    s.clear()

@@ -1,0 +1,129 @@
+"""save_state / load_state: a run stopped mid-epoch and resumed in a fresh launch ends with the
+same weights, and sees the same batches, as an uninterrupted run."""
+
+import os
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from nblaunch.training import Accelerator, set_seed
+
+EPOCHS, STOP_AT = 2, 7  # 5 batches per rank and epoch: step 7 is in the middle of epoch 2
+
+
+class Counter:
+    def __init__(self):
+        self.steps = 0
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def _setup(seed):
+    set_seed(seed)  # a fresh launch with another seed must still resume exactly
+    acc = Accelerator(mixed_precision="fp16")
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 1, generator=g))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    return acc, model, opt, loader, sched, counter
+
+
+def _step(acc, model, opt, sched, batch):
+    x, y = batch
+    acc.backward(torch.nn.functional.mse_loss(model(x), y))
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def _weights(acc, model):
+    return [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+
+
+def _first_run(ckpt):
+    # uninterrupted
+    acc, model, opt, loader, sched, counter = _setup(0)
+    seen = []
+    for _ in range(EPOCHS):
+        for batch in loader:
+            seen.append(batch[0][:, 0].tolist())
+            _step(acc, model, opt, sched, batch)
+    full = {"weights": _weights(acc, model), "seen": seen, "lr": sched.get_last_lr()}
+    # interrupted at STOP_AT
+    acc, model, opt, loader, sched, counter = _setup(0)
+    done = False
+    for _ in range(EPOCHS):
+        for batch in loader:
+            _step(acc, model, opt, sched, batch)
+            counter.steps += 1
+            if counter.steps == STOP_AT:
+                acc.save_state(ckpt)
+                done = True
+                break
+        if done:
+            break
+    return full
+
+
+def _resume(ckpt):
+    out = {}
+    # nblaunch style: load_state puts the loader back where it was
+    acc, model, opt, loader, sched, counter = _setup(123)
+    acc.load_state(ckpt)
+    seen = []
+    for _ in range(loader.epoch, EPOCHS):
+        for batch in loader:
+            seen.append(batch[0][:, 0].tolist())
+            _step(acc, model, opt, sched, batch)
+    out["auto"] = {"weights": _weights(acc, model), "seen": seen, "lr": sched.get_last_lr(),
+                   "steps": counter.steps}
+    # Accelerate style: skip_first_batches for the resumed epoch, then the loader itself
+    acc, model, opt, loader, sched, counter = _setup(456)
+    acc.load_state(ckpt)
+    per_epoch = len(loader)
+    start_epoch, resume_step = divmod(counter.steps, per_epoch)
+    seen = []
+    for epoch in range(start_epoch, EPOCHS):
+        source = acc.skip_first_batches(loader, resume_step) if epoch == start_epoch else loader
+        for batch in source:
+            seen.append(batch[0][:, 0].tolist())
+            _step(acc, model, opt, sched, batch)
+    out["skip"] = {"weights": _weights(acc, model), "seen": seen, "lr": sched.get_last_lr()}
+    return out
+
+
+def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = launch(_first_run, ckpt)
+    assert sorted(os.listdir(ckpt)) == ["custom_checkpoint_0.pkl", "model.bin", "optimizer.bin",
+                                        "rank_0.pkl", "rank_1.pkl", "scaler.pt", "scheduler.bin"]
+    resumed = launch(_resume, ckpt)
+    for rank in range(2):
+        expected = full[rank]
+        for style in ("auto", "skip"):
+            got = resumed[rank][style]
+            assert got["seen"] == expected["seen"][STOP_AT:], (rank, style)
+            assert got["lr"] == expected["lr"]
+            for a, b in zip(got["weights"], expected["weights"]):
+                assert torch.allclose(a, b, atol=1e-6, rtol=0), (rank, style)
+        assert resumed[rank]["auto"]["steps"] == STOP_AT
+    # the run really depends on where it resumes: the start is far from the end
+    assert full[0]["seen"][:STOP_AT] != full[0]["seen"][STOP_AT:STOP_AT * 2]
+
+
+def test_save_model_writes_unwrapped_weights(tmp_path):
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Linear(3, 2))
+    path = acc.save_model(model, tmp_path / "out", safe_serialization=False)
+    state = torch.load(path) if path.endswith(".bin") else __import__("safetensors.torch").torch.load_file(path)
+    assert set(state) == {"weight", "bias"} and torch.equal(state["weight"], model.weight.detach())
