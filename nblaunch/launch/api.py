@@ -13,6 +13,8 @@ import uuid
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import cloudpickle
+
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import Display, Event, LaunchFinished, LaunchStarted, RankFinished, RankStarted, RankState
 from nblaunch.launch import pickling, registry
@@ -20,7 +22,7 @@ from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, Ran
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.plan import LaunchPlan, make_plan
 from nblaunch.launch.supervisor import Supervisor
-from nblaunch.launch.workers import WorkerProcess, start_forked, start_spawned
+from nblaunch.launch.workers import WorkerProcess, start_forked, start_spawned, start_xla_host
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
@@ -82,7 +84,9 @@ def notebook_launcher(
         node_rank, num_nodes, start_method, timeout, display, force_cpu=False,
     )
     pickling.check_picklable(function, args)
-    if block and plan.num_processes == 1 and plan.num_nodes == 1:
+    # One rank runs here, except on XLA: the runtime would start in this process and break
+    # every later xmp.spawn (torch_xla's own nprocs=1 has that trap).
+    if block and plan.num_processes == 1 and plan.num_nodes == 1 and plan.start_method != "xla":
         return [_run_in_process(plan, function, args)]
     launch = Launch(plan, function, args, timeout, display)
     if block:
@@ -284,6 +288,11 @@ def _finished_event(error: BaseException, started: float) -> LaunchFinished:
 
 
 def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[WorkerProcess]:
+    if plan.start_method == "xla":
+        # torch_xla pickles the function for its process pool (even with fork): cloudpickle it
+        # first, so a function defined in a notebook cell travels by value.
+        packed = cloudpickle.dumps((function, args))
+        return [start_xla_host(plan.xla_environ, packed, plan.num_processes)]
     workers = []
     if plan.start_method == "fork":
         _import_once_for_forked_ranks()

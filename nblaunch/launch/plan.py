@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nblaunch.display import DISPLAY_CHOICES
-from nblaunch.launch import devices, ports
+from nblaunch.launch import devices, ports, xla
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.threads import threads_per_worker
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
-START_METHODS = ("fork", "spawn")
+START_METHODS = ("fork", "spawn", "xla")
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,11 @@ class LaunchPlan:
     master_port: int
     start_method: str
     start_reason: str
-    device_kind: str  # "cpu" or "cuda"
+    device_kind: str  # "cpu", "cuda" or "xla"
     threads: int | None
     mixed_precision: str
     force_cpu: bool
+    xla_environ: dict[str, str] | None = None  # XLA only: what the host process adds to its environment
 
     @property
     def world_size(self) -> int:
@@ -42,6 +43,8 @@ class LaunchPlan:
 
     @property
     def devices(self) -> str:
+        if self.device_kind == "xla":
+            return f"{self.num_processes} XLA device(s) ({os.environ.get('PJRT_DEVICE') or 'TPU'})"
         if self.device_kind == "cuda":
             return f"{self.num_processes} CUDA device(s)"
         threads = f", {self.threads} thread(s) each" if self.threads else ""
@@ -86,7 +89,7 @@ def _port(value: Any) -> int | None:
 
 def _start_method(requested: str | None, force_cpu: bool) -> tuple[str, str]:
     if requested is not None and requested not in START_METHODS:
-        raise LaunchConfigError(f"start_method must be None (choose for me), 'fork' or 'spawn', got {requested!r}")
+        raise LaunchConfigError(f"start_method must be None (choose for me), 'fork', 'spawn' or 'xla', got {requested!r}")
     cuda_in_parent = not force_cpu and devices.cuda_initialized()
     if requested == "spawn":
         return "spawn", "asked for with start_method='spawn'"
@@ -143,6 +146,8 @@ def make_plan(
             "with num_nodes > 1, every node must agree on the port: pass the same use_port=... on every node"
         )
 
+    if start_method == "xla" or (start_method is None and not force_cpu and xla.tpu_markers()):
+        return _xla_plan(function, num_processes, mixed_precision, master_addr, start_method, port)
     gpus = 0 if force_cpu else devices.cuda_device_count()
     if num_processes is None:
         if gpus < 2:
@@ -178,4 +183,34 @@ def make_plan(
         threads=threads_per_worker(num_processes),
         mixed_precision=mixed_precision,
         force_cpu=force_cpu,
+    )
+
+
+def _xla_plan(function: Callable, num_processes: Any, mixed_precision: str, master_addr: str,
+              requested: str | None, port: int | None) -> LaunchPlan:
+    """A launch through torch_xla's xmp.spawn: every local XLA device is a rank."""
+    if num_processes is not None:
+        num_processes = _positive_int("num_processes", num_processes)
+    xla.check_usable()
+    if mixed_precision in ("fp16", "fp8"):
+        raise LaunchConfigError(f"mixed_precision={mixed_precision!r} is not supported on XLA devices; use 'bf16' or 'no'")
+    count, host_environ = xla.local_device_count(num_processes)
+    if requested == "xla":
+        reason = "asked for with start_method='xla'"
+    else:
+        reason = f"TPU host ({', '.join(xla.tpu_markers())})"
+    return LaunchPlan(
+        function_name=getattr(function, "__qualname__", None) or repr(function),
+        num_processes=count,
+        num_nodes=1,
+        node_rank=0,
+        master_addr=master_addr,
+        master_port=ports.choose_port(master_addr, port, hosted_here=True),  # unused by XLA; kept for the record
+        start_method="xla",
+        start_reason=reason + "; torch_xla's xmp.spawn starts one process per chip",
+        device_kind="xla",
+        threads=None,
+        mixed_precision=mixed_precision,
+        force_cpu=False,
+        xla_environ=dict(host_environ, NBLAUNCH_MIXED_PRECISION=mixed_precision, NBLAUNCH_XLA="1"),
     )

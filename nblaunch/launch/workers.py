@@ -21,7 +21,9 @@ from typing import Callable
 
 import nblaunch
 from nblaunch import wire
+from nblaunch.launch.xla import import_torch_xla
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
+from nblaunch.worker.xla import RankEnds, run_host
 
 _F_SETPIPE_SZ = 1031  # Linux: bigger pipes mean fewer wake-ups for chatty ranks and big results
 _PIPE_SIZE = 1 << 20
@@ -192,6 +194,28 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
     except OSError:
         pass
     return _handle(pid, {settings.rank: pipes}, popen=None)
+
+
+def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
+    """Fork the process that runs torch_xla's xmp.spawn; it and its children host every rank."""
+    environ = dict(import_torch_xla(), **environ)
+    ranks = {rank: _Pipes.open() for rank in range(num_ranks)}
+    with _LAUNCHER_FDS_LOCK:
+        to_close = sorted(_LAUNCHER_FDS) + [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
+    parent = os.getpid()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # see start_forked
+        pid = os.fork()
+    if pid == 0:
+        ends = {
+            rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()
+        }
+        run_host(environ, parent, packed_function, ends, to_close)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    return _handle(pid, ranks, popen=None)
 
 
 def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dict[str, str]) -> WorkerProcess:

@@ -167,7 +167,7 @@ def _attach_streams(stdout_fd: int, stderr_fd: int) -> None:
 
 def _run(settings: WorkerSettings, function: Callable, args: tuple, event_fd: int, control_fd: int) -> NoReturn:
     os.environ.update(settings.environ)
-    lifeline.set_process_name(settings.rank)
+    lifeline.set_process_name(str(settings.rank))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if settings.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(settings.threads)
@@ -175,35 +175,50 @@ def _run(settings: WorkerSettings, function: Callable, args: tuple, event_fd: in
         if torch is not None:
             torch.set_num_threads(settings.threads)
     channel.open_channel(event_fd, settings.rank)
+    prepare_process()
+    code = serve(function, args, control_fd, event_fd)
+    flush_streams()
+    os._exit(code)
+
+
+def prepare_process() -> None:
+    """What every process hosting ranks needs once, whatever started it."""
     install_tqdm_hook()  # tqdm bars become progress events, drawn by the launcher
     # A C-level dump for ranks whose Python threads cannot answer (the GIL held by C code).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    threading.Thread(target=_watch_launcher, args=(control_fd,), name="nblaunch-watch", daemon=True).start()
 
-    code = 0
+
+def serve(function: Callable, args: tuple, control_fd: int, event_fd: int) -> int:
+    """Run one rank's function and send back its result or failure; returns an exit code.
+
+    The channel must already point at ``event_fd`` for the calling thread.
+    """
+    threading.Thread(target=_watch_launcher, args=(control_fd, event_fd), name="nblaunch-watch", daemon=True).start()
     try:
         result = function(*args)
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result
         if exit_request.code in (None, 0):
             _send_result(None)
-        else:
-            code = 1
-            _send_failure(exit_request, f"called sys.exit({exit_request.code!r})")
+            return 0
+        _send_failure(exit_request, f"called sys.exit({exit_request.code!r})")
+        return 1
     except BaseException as error:
-        code = 1
         _send_failure(error)
-    else:
-        try:
-            _send_result(result)
-        except Exception as error:
-            code = 1
-            _send_failure(error, f"returned a {type(result).__name__} that cannot be sent back: {error}")
+        return 1
+    try:
+        _send_result(result)
+    except Exception as error:
+        _send_failure(error, f"returned a {type(result).__name__} that cannot be sent back: {error}")
+        return 1
+    return 0
+
+
+def flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    os._exit(code)
 
 
 def _send_result(result: Any) -> None:
@@ -242,7 +257,7 @@ def _caused_by_peer(error: BaseException) -> bool:
     return any(marker in message for marker in _PEER_GONE)
 
 
-def _watch_launcher(control_fd: int) -> None:
+def _watch_launcher(control_fd: int, event_fd: int) -> None:
     """Answer stack-dump requests; exit when the launcher's end of the pipe closes."""
     reader = wire.FrameReader()
     while True:
@@ -254,7 +269,7 @@ def _watch_launcher(control_fd: int) -> None:
             os._exit(1)  # the launcher is gone; on Linux PR_SET_PDEATHSIG has usually acted first
         for kind, _ in reader.feed(chunk):
             if kind == wire.DUMP_STACKS:
-                channel.send(wire.STACKS, format_stacks().encode())
+                channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
 
 
 def format_stacks() -> str:

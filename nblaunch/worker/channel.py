@@ -17,44 +17,66 @@ import threading
 
 from nblaunch import wire
 
-_fd: int | None = None
-_rank: int | None = None
-_lock = threading.Lock()  # the main thread and the stack-dump thread share the pipe
+_lock = threading.Lock()  # every thread of the rank (and the stack-dump thread) writes through it
 
 
-def open_channel(fd: int, rank: int) -> None:
-    """Called once by the bootstrap; the user never needs it."""
-    global _fd, _rank
-    _fd, _rank = fd, rank
+class _Endpoint(threading.local):
+    """Where this thread's frames go. A process-wide default, overridden per thread on XLA,
+    where one process runs several ranks, one thread each."""
+
+    fd: int | None = None
+    rank: int | None = None
+
+
+_process_fd: int | None = None
+_process_rank: int | None = None
+_thread = _Endpoint()
+
+
+def open_channel(fd: int, rank: int, *, this_thread_only: bool = False) -> None:
+    """Called by the bootstrap before the user's function runs; the user never needs it."""
+    global _process_fd, _process_rank
+    if this_thread_only:
+        _thread.fd, _thread.rank = fd, rank
+    else:
+        _process_fd, _process_rank = fd, rank
 
 
 def close_channel() -> None:
-    global _fd, _rank
-    _fd, _rank = None, None
+    global _process_fd, _process_rank
+    _process_fd = _process_rank = None
+    _thread.fd = _thread.rank = None
+
+
+def _endpoint() -> tuple[int | None, int | None]:
+    if _thread.fd is not None:
+        return _thread.fd, _thread.rank
+    return _process_fd, _process_rank
 
 
 def in_launch() -> bool:
     """True inside a worker started by nblaunch."""
-    return _fd is not None
+    return _endpoint()[0] is not None
 
 
 def launch_rank() -> int | None:
-    """The local rank of this worker, or None outside a launch."""
-    return _rank
+    """The local rank of this worker (of this thread, on XLA), or None outside a launch."""
+    return _endpoint()[1]
 
 
-def send(kind: bytes, body: bytes) -> bool:
-    """Send one frame to the launcher; False (nothing sent) outside a launch."""
-    if _fd is None:
+def send(kind: bytes, body: bytes, fd: int | None = None) -> bool:
+    """Send one frame to the launcher (to ``fd`` if given); False outside a launch."""
+    fd = _endpoint()[0] if fd is None else fd
+    if fd is None:
         return False
     with _lock:
-        wire.write_frame(_fd, kind, body)
+        wire.write_frame(fd, kind, body)
     return True
 
 
 def log_metrics(values: dict[str, float], step: int | None = None) -> bool:
     """Send scalar metrics to the launching cell. Tensors are turned into Python numbers."""
-    if _fd is None:
+    if not in_launch():
         return False
     plain = {str(k): _to_number(v) for k, v in values.items()}
     return send(wire.METRICS, pickle.dumps((plain, step)))
@@ -64,7 +86,7 @@ def report_progress(
     bar_id: int, n: float, total: float | None, desc: str = "", closed: bool = False
 ) -> bool:
     """Report the position of a progress bar; the launcher draws it."""
-    if _fd is None:
+    if not in_launch():
         return False
     return send(wire.PROGRESS, pickle.dumps((bar_id, n, total, desc, closed)))
 

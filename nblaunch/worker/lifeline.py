@@ -38,6 +38,6 @@ def die_with_parent(expected_parent_pid: int) -> None:
         os._exit(1)
 
 
-def set_process_name(rank: int) -> None:
-    """Name the process `nblaunch-r<rank>` (shown by ps/top; 15 characters at most)."""
-    _prctl(_PR_SET_NAME, f"{PROCESS_NAME_PREFIX}{rank}".encode()[:15])
+def set_process_name(label: str) -> None:
+    """Name the process `nblaunch-r<label>` (shown by ps/top; 15 characters at most)."""
+    _prctl(_PR_SET_NAME, f"{PROCESS_NAME_PREFIX}{label}".encode()[:15])
