@@ -142,3 +142,28 @@ def exits_cleanly():
 
 def test_sys_exit_zero_is_a_clean_finish():
     assert notebook_launcher(exits_cleanly, num_processes=2, display="none") == [None, None]
+
+
+def rendezvous_then_fail(fail):
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if fail and dist.get_rank() == 1:
+        raise RuntimeError("first launch fails")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_a_failed_launch_whose_error_is_kept_does_not_poison_the_next_on_the_same_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kept = []  # as Jupyter keeps the last exception (and its traceback's frames) alive
+    try:
+        notebook_launcher(rendezvous_then_fail, args=(True,), num_processes=2, use_port=port, display="none")
+    except RankFailedError as error:
+        kept.append(error)
+    assert kept and kept[0].root_cause.rank == 1
+    for _ in range(3):
+        assert notebook_launcher(rendezvous_then_fail, args=(False,), num_processes=2, use_port=port, display="none") == [0, 1]
