@@ -1,0 +1,1 @@
+"""nblaunch's benchmarks: ``python -m benchmarks`` (see benchmarks/run.py and benchmarks/README.md)."""

@@ -1,0 +1,146 @@
+"""1. Launch latency (trivial function, rendezvous included) and time to the first training step.
+
+warm: interleaved launches in one process (after one discarded launch each).
+cold: each sample is a fresh interpreter that imports torch and the launcher, as a notebook's
+first cell does, then times its first launch.
+first step: a fresh interpreter imports torch, the launcher and the Accelerator class (a
+notebook's first cell), then times from the call to the end of the first optimizer step inside
+the workers (Accelerator + DDP + prepare + one AdamW step), for a first and a second launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import have_accelerate, interleave, pair_ratios, row
+from benchmarks.workloads import IMPLS_ALL, read_results, rendezvous, run_launch
+
+GOAL_RATIO_RAW = 1.0
+GOAL_RATIO_ACC = 0.4
+GOAL_FIRST_STEP_S = 0.3
+
+
+def _impls() -> list[str]:
+    return [i for i in IMPLS_ALL if i != "accelerate" or have_accelerate()]
+
+
+def _fresh(args: list[str], timeout: float = 120) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.m_launch", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"fresh interpreter failed ({proc.returncode}): {proc.stderr[-800:]}")
+    return json.loads(lines[-1])
+
+
+# ----------------------------------------------------------------------------- in a fresh interpreter
+def _cold_trivial(impl: str) -> dict:
+    import torch  # noqa: F401  the notebook has torch
+    import torch.distributed  # noqa: F401
+
+    t0 = time.perf_counter()
+    if impl == "nblaunch":
+        import nblaunch  # noqa: F401
+    elif impl == "accelerate":
+        import accelerate  # noqa: F401
+    else:
+        import torch.multiprocessing  # noqa: F401
+    t1 = time.perf_counter()
+    run_launch(impl, rendezvous)
+    t2 = time.perf_counter()
+    return {"import_s": t1 - t0, "launch_s": t2 - t1}
+
+
+def _first_steps(impl: str) -> dict:
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    from benchmarks.workloads import first_step, make_data, raw_first_step
+
+    if impl == "nblaunch":
+        from nblaunch import Accelerator, notebook_launcher  # noqa: F401  (the notebook's first cell)
+    elif impl == "accelerate":
+        from accelerate import Accelerator, notebook_launcher  # noqa: F401
+    x, y = make_data(4096)
+    out = {}
+    for which in ("first", "second"):
+        with tempfile.TemporaryDirectory() as tmp:
+            t_call = time.time()
+            if impl == "raw":
+                import torch.multiprocessing as mp
+
+                from benchmarks.common import free_port
+
+                mp.start_processes(raw_first_step, args=(free_port(), 2, t_call, x, y, tmp), nprocs=2, start_method="fork")
+            else:
+                run_launch(impl, first_step, (impl, t_call, x, y, tmp))
+            t_back = time.time() - t_call
+            out[which] = max(read_results(tmp, 2))
+            out[which + "_returned"] = t_back
+    return out
+
+
+# ----------------------------------------------------------------------------- the measurement
+def run(quick: bool = False, size: str | None = None) -> dict:
+    impls = _impls()
+    warm_rounds = 3 if quick else 10
+    fresh_rounds = 1 if quick else 4
+    rows, notes = [], []
+
+    # warm: one discarded launch each, then interleaved rounds
+    for impl in impls:
+        run_launch(impl, rendezvous)
+
+    def timed(impl):
+        def one():
+            t0 = time.perf_counter()
+            run_launch(impl, rendezvous)
+            return time.perf_counter() - t0
+        return one
+
+    warm = interleave(warm_rounds, {impl: timed(impl) for impl in impls})
+    cold = interleave(fresh_rounds, {impl: (lambda impl=impl: _fresh(["cold", impl])) for impl in impls})
+    first = interleave(fresh_rounds, {impl: (lambda impl=impl: _fresh(["first-step", impl], 240)) for impl in impls})
+    for kind, errors in (("warm", warm["_errors"]), ("cold", cold["_errors"]), ("first step", first["_errors"])):
+        for impl, errs in errors.items():
+            notes.append(f"{kind} {impl}: {len(errs)} failed: {errs[0]}")
+
+    ms = lambda vals: [None if v is None else 1000 * v for v in vals]  # noqa: E731
+    cold_ms = {i: ms([None if c is None else c["launch_s"] for c in cold[i]]) for i in impls}
+    import_ms = {i: ms([None if c is None else c["import_s"] for c in cold[i]]) for i in impls}
+    for label, data in (("warm launch", {i: ms(warm[i]) for i in impls}), ("cold launch", cold_ms)):
+        for impl in impls:
+            ratios = {f"vs {other}": pair_ratios(data[impl], data[other]) for other in impls if other != impl and impl == "nblaunch"}
+            goal = met = None
+            if impl == "nblaunch":
+                vs_raw = ratios.get("vs raw", {}).get("median")
+                vs_acc = ratios.get("vs accelerate", {}).get("median")
+                goal = f"<= {GOAL_RATIO_RAW:.1f}x raw" + (f", <= {GOAL_RATIO_ACC:.1f}x accelerate" if "accelerate" in impls else "")
+                met = vs_raw is not None and vs_raw <= GOAL_RATIO_RAW and (vs_acc is None or vs_acc <= GOAL_RATIO_ACC)
+            rows.append(row(impl, label, "ms", data[impl], goal=goal, met=met, ratios=ratios))
+    for impl in impls:
+        rows.append(row(impl, "import of the launcher (fresh interpreter, torch already imported)", "ms", import_ms[impl]))
+    for which, label in (("first", "call -> first step, first launch"), ("second", "call -> first step, second launch")):
+        data = {i: [None if f is None else f[which] for f in first[i]] for i in impls}
+        for impl in impls:
+            ratios = {f"vs {other}": pair_ratios(data[impl], data[other]) for other in impls if other != impl and impl == "nblaunch"}
+            goal = met = None
+            if impl == "nblaunch":
+                goal = f"<= {GOAL_FIRST_STEP_S} s"
+                met = bool(data[impl]) and None not in data[impl] and max(data[impl]) <= GOAL_FIRST_STEP_S
+            rows.append(row(impl, label, "s", data[impl], goal=goal, met=met, ratios=ratios))
+    notes.append(f"warm: {warm_rounds} interleaved rounds after one discarded launch each; cold and first step: "
+                 f"{fresh_rounds} fresh interpreter(s) per implementation, interleaved")
+    return {"rows": rows, "notes": notes}
+
+
+if __name__ == "__main__":
+    kind, impl = sys.argv[1], sys.argv[2]
+    result = _cold_trivial(impl) if kind == "cold" else _first_steps(impl)
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,105 @@
+"""6. Output: many lines per rank through the launcher, against the same prints discarded.
+
+Variants: display="text" with the launcher's stdout going to a file (the lines are counted
+there), display="none" (lines counted in the on-disk logs), the widget display built with
+show=False when it exists, and the baseline: the same prints to /dev/null in the workers.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import tempfile
+import time
+
+from benchmarks.common import interleave, pair_ratios, row
+from benchmarks.workloads import chatty
+
+GOAL_RATIO = 1.2
+
+
+def _private_tmp() -> None:
+    """Log folders in a temporary directory of this measurement's own: other launches on the
+    machine (a test run beside us) share /tmp/nblaunch-<uid>/logs and prune it to 20 folders."""
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="nblaunch-bench-")
+    tempfile.tempdir = None
+
+
+def _count_logs(since: float) -> int:
+    root = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
+    dirs = [d for d in glob.glob(os.path.join(root, "*")) if os.path.getmtime(d) >= since - 1]
+    newest = max(dirs, key=os.path.getctime)
+    count = 0
+    for path in glob.glob(os.path.join(newest, "rank*.log")):
+        with open(path, "rb") as f:
+            count += sum(1 for line in f if b" of the output benchmark" in line)
+    return count
+
+
+def _widget_display():
+    try:
+        from nblaunch.display.widget import WidgetDisplay
+    except Exception:
+        return None
+    try:
+        return WidgetDisplay(show=False)
+    except Exception:
+        return None
+
+
+def _one(variant: str, lines: int) -> dict:
+    from nblaunch import notebook_launcher
+
+    display = {"discarded": "none", "text": "text", "none": "none"}.get(variant)
+    if variant == "widget":
+        display = _widget_display()
+    saved = sys.stdout
+    with tempfile.NamedTemporaryFile("w+", suffix=".out", delete=True) as out:
+        if variant == "text":
+            sys.stdout = out
+        since = time.time()
+        t0 = time.perf_counter()
+        try:
+            notebook_launcher(chatty, args=(lines, variant == "discarded"), num_processes=2, display=display)
+        finally:
+            sys.stdout = saved
+        elapsed = time.perf_counter() - t0
+        if variant == "text":
+            out.flush()
+            out.seek(0)
+            seen = sum(1 for line in out if line.startswith("[rank ") and " of the output benchmark" in line)
+        elif variant == "discarded":
+            seen = 2 * lines
+        else:
+            seen = _count_logs(since)
+    return {"s": elapsed, "lost": 2 * lines - seen}
+
+
+def run(quick: bool = False, size: str | None = None) -> dict:
+    _private_tmp()
+    lines = {"tiny": 2000}.get(size or "", 20000 if quick else 100000)
+    rounds = 1 if size == "tiny" else (2 if quick else 3)
+    variants = ["discarded", "text", "none"]
+    if _widget_display() is not None:
+        variants.append("widget")
+    for v in variants:  # one discarded run each
+        _one(v, min(lines, 2000))
+    res = interleave(rounds, {v: (lambda v=v: _one(v, lines)) for v in variants})
+    rows, notes = [], [f"{v}: {len(e)} failed: {e[0]}" for v, e in res["_errors"].items()]
+    secs = {v: [None if r is None else r["s"] for r in res[v]] for v in variants}
+    for v in variants:
+        name = {"discarded": "nblaunch, prints to /dev/null in the workers", "text": 'nblaunch display="text" (stdout to a file)',
+                "none": 'nblaunch display="none"', "widget": "nblaunch WidgetDisplay(show=False)"}[v]
+        ratios = {"vs discarded": pair_ratios(secs[v], secs["discarded"])} if v != "discarded" else None
+        goal = met = None
+        if v != "discarded":
+            r = ratios["vs discarded"]["median"]
+            lost = [x["lost"] for x in res[v] if x is not None]
+            goal = f"<= {GOAL_RATIO}x discarded, 0 lost"
+            met = r is not None and r <= GOAL_RATIO and bool(lost) and max(lost) == 0
+        rows.append(row(name, f"{lines} lines per rank, wall time", "s", secs[v], goal=goal, met=met, ratios=ratios))
+        if v != "discarded":
+            rows.append(row(name, "lines lost", "", [None if r is None else r["lost"] for r in res[v]]))
+    notes.append(f"2 ranks x {lines} lines; {rounds} interleaved round(s) after one short discarded launch each")
+    return {"rows": rows, "notes": notes}
