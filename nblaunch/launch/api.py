@@ -21,6 +21,7 @@ from nblaunch.launch import pickling, registry
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.plan import LaunchPlan, make_plan
+from nblaunch.launch.preimport import import_for_ranks
 from nblaunch.launch.supervisor import Supervisor
 from nblaunch.launch.workers import WorkerProcess, start_forked, start_spawned, start_xla_host
 from nblaunch.worker.bootstrap import WorkerSettings
@@ -294,13 +295,12 @@ def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[Wo
         packed = cloudpickle.dumps((function, args))
         return [start_xla_host(plan.xla_environ, packed, plan.num_processes)]
     workers = []
-    if plan.start_method == "fork":
-        _import_once_for_forked_ranks()
+    inherited = _environ_for_forked_ranks() if plan.start_method == "fork" else {}
     packed = pickling.package(function, args) if plan.start_method == "spawn" else None
     for local_rank in range(plan.num_processes):
         settings = WorkerSettings(
             rank=local_rank,
-            environ=plan.rank_environ(local_rank),
+            environ=dict(inherited, **plan.rank_environ(local_rank)),
             threads=plan.threads,
             parent_pid=os.getpid(),
             sys_path=list(sys.path),
@@ -326,14 +326,14 @@ def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[Wo
 _TRAINING_MODULES = ("nblaunch.training", "accelerate")
 
 
-def _import_once_for_forked_ranks() -> None:
-    if "torch" not in sys.modules or "torch._dynamo" in sys.modules:
-        return
-    if any(name in sys.modules for name in _TRAINING_MODULES):
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:  # an optimisation only: the ranks import it themselves if it fails here
-            pass
+def _environ_for_forked_ranks() -> dict[str, str]:
+    """Pre-import what forked ranks would each import; return the variables it sets for them."""
+    if "torch" not in sys.modules or not any(name in sys.modules for name in _TRAINING_MODULES):
+        return {}
+    try:
+        return import_for_ranks("torch._dynamo")
+    except Exception:  # an optimisation only: the ranks import it themselves if it fails here
+        return {}
 
 
 def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import nblaunch
 from nblaunch import wire
-from nblaunch.launch.xla import import_torch_xla
+from nblaunch.launch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.xla import RankEnds, run_host
 
@@ -198,7 +198,9 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
 
 def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
     """Fork the process that runs torch_xla's xmp.spawn; it and its children host every rank."""
-    environ = dict(import_torch_xla(), **environ)
+    # Imported once per kernel so every launch's forks inherit it (about 3 s each otherwise).
+    # Importing does not start the XLA runtime (using a device would).
+    environ = dict(import_for_ranks("torch_xla.distributed.xla_multiprocessing"), **environ)
     ranks = {rank: _Pipes.open() for rank in range(num_ranks)}
     with _LAUNCHER_FDS_LOCK:
         to_close = sorted(_LAUNCHER_FDS) + [fd for pipes in ranks.values() for fd in pipes.launcher_ends]

@@ -6,7 +6,6 @@ runtime initialised in the launcher breaks every later ``xmp.spawn``.
 
 from __future__ import annotations
 
-import functools
 import glob
 import importlib.metadata
 import importlib.util
@@ -105,21 +104,3 @@ def local_device_count(requested: int | None) -> tuple[int, dict[str, str]]:
             f"(or {count})."
         )
     return count, {"PJRT_DEVICE": os.environ.get("PJRT_DEVICE") or "TPU"}
-
-
-@functools.lru_cache(maxsize=1)
-def import_torch_xla() -> dict[str, str]:
-    """Import torch_xla here, once per kernel, so every launch's forks inherit it (about 3 s
-    each otherwise); return what the import wrote into ``os.environ``.
-
-    Importing does not start the XLA runtime (using a device would). The import sets a few
-    variables for the runtime (XLA_FLAGS, ...); they belong in the host process, not in the
-    user's kernel, so the kernel's environment is put back and the launch passes them on.
-    """
-    before = dict(os.environ)
-    import torch_xla.distributed.xla_multiprocessing  # noqa: F401
-
-    added = {name: value for name, value in os.environ.items() if before.get(name) != value}
-    os.environ.clear()
-    os.environ.update(before)
-    return added

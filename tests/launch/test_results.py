@@ -107,3 +107,26 @@ def closure_factory(offset):
 
 def test_closures_work_under_spawn():
     assert notebook_launcher(closure_factory(100), args=(1,), num_processes=2, start_method="spawn", display="none") == [101, 102]
+
+
+FRESH_KERNEL = """
+import os
+import nblaunch.training  # the launch will train: the launcher pre-imports torch._dynamo for its ranks
+from nblaunch import notebook_launcher
+
+def rank_sees():
+    import torch._dynamo  # already there, inherited through fork
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+before = dict(os.environ)
+seen = notebook_launcher(rank_sees, num_processes=2, display="none")
+print("unchanged", dict(os.environ) == before, "ranks got it", all(seen))
+"""
+
+
+def test_what_the_launcher_imports_for_its_ranks_does_not_change_the_kernels_environment():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FRESH_KERNEL], capture_output=True, text=True, timeout=120)
+    assert "unchanged True ranks got it True" in done.stdout, done.stdout + done.stderr
