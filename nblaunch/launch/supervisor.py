@@ -45,6 +45,7 @@ _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by pol
 _STACKS_ON_FAILURE_S = 0.05  # a healthy rank answers in milliseconds; the failure is what matters
 _STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
 _FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (GIL held in C)
+_FULL_REPORT_S = 1.0  # a failed rank's traceback follows its first report within milliseconds
 _REAP_BACKSTOP_S = 10.0
 _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arrive before the next read
 _COALESCE_BELOW = 64 * 1024
@@ -67,6 +68,7 @@ class _Rank:
         self.result: Any = None
         self.failure: RankFailure | None = None
         self.failed_at: float | None = None
+        self.report_complete = True  # False between a failure's first frame and its traceback
         self.finished = False
 
 
@@ -221,7 +223,11 @@ class Supervisor:
                 self._fail(rank, RankFailure(r, f"its return value could not be unpickled here: {error!r}"))
         elif kind == wire.ERROR:
             report = pickle.loads(body)
-            self._fail(rank, _failure_from_report(r, report), report["time"])
+            failure = _failure_from_report(r, report)
+            if rank.failure is not None and not rank.report_complete:
+                rank.failure = failure  # the full report of the failure already known
+            self._fail(rank, failure, report["time"])
+            rank.report_complete = report["final"]
         elif kind == wire.METRICS:
             values, step = pickle.loads(body)
             self._emit(Metrics(rank=r, values=values, step=step))
@@ -262,6 +268,8 @@ class Supervisor:
             self._fail(rank, _failure_from_exit(rank.number, code, list(rank.tail)))
         failure = rank.failure
         failure.exitcode = code
+        if not rank.report_complete:
+            failure.reason += " (stopped before it could send its traceback)"
         detail = failure.reason + ("\n" + failure.traceback if failure.traceback else "")
         self._emit(RankFinished(rank=rank.number, state=RankState.FAILED, detail=detail, exitcode=code))
 
@@ -281,6 +289,12 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
             self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
+        # A failed rank whose traceback is still on its way gets a moment; the others stop now.
+        waiting = [r for r in self._live() if r.failure is not None and not r.report_complete]
+        for process in self._live_processes():
+            if not any(r.process is process for r in waiting):
+                process.kill()
+        self._pump_until(lambda: all(r.report_complete or r.finished for r in waiting), _FULL_REPORT_S)
         for process in self._live_processes():
             process.kill()
 
@@ -329,7 +343,8 @@ def _failure_from_report(rank: int, report: dict) -> RankFailure:
     if exception is None:
         type_name = report["type"].rsplit(".", 1)[-1]
         exception = RemoteError(type_name, report["reason"].split(": ", 1)[-1])
-    exception.__cause__ = RemoteTraceback(report["traceback"])
+    if report["traceback"]:
+        exception.__cause__ = RemoteTraceback(report["traceback"])
     return RankFailure(
         rank=rank,
         reason=report["reason"],

@@ -230,21 +230,30 @@ def _send_result(result: Any) -> None:
 
 
 def _send_failure(error: BaseException, reason: str | None = None) -> None:
-    failed_at = time.monotonic()  # system-wide clock: the launcher orders failures of all ranks by it
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    try:
-        pickled = cloudpickle.dumps(error)
-        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
-    except Exception:
-        pickled = None
+    """Report a failure in two frames: what and when at once, then the traceback.
+
+    Formatting a traceback reads source files (linecache) and pickling runs arbitrary code;
+    either can stall (a disk under load was seen to). The first frame lets the launcher stop
+    the other ranks at once; it then waits a moment for the second.
+    """
     report = {
         "type": f"{type(error).__module__}.{type(error).__qualname__}",
         "reason": reason or f"{type(error).__name__}: {error}",
-        "traceback": text,
-        "exception": pickled,
-        "time": failed_at,
+        "traceback": "",
+        "exception": None,
+        "time": time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
         "collateral": _caused_by_peer(error),
+        "final": False,
     }
+    channel.send(wire.ERROR, pickle.dumps(report))
+    report["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        pickled = cloudpickle.dumps(error)
+        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
+        report["exception"] = pickled
+    except Exception:
+        pass
+    report["final"] = True
     channel.send(wire.ERROR, pickle.dumps(report))
 
 

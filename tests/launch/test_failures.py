@@ -167,3 +167,29 @@ def test_a_failed_launch_whose_error_is_kept_does_not_poison_the_next_on_the_sam
     assert kept and kept[0].root_cause.rank == 1
     for _ in range(3):
         assert notebook_launcher(rendezvous_then_fail, args=(False,), num_processes=2, use_port=port, display="none") == [0, 1]
+
+
+class StallsWhileFormatted(Exception):
+    """Formatting its traceback blocks, as a rank reading source files from a stalled disk did."""
+
+    @property
+    def __notes__(self):  # read by traceback.format_exception, not by str()
+        time.sleep(600)
+
+
+def rank_one_stalls_in_its_traceback():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise StallsWhileFormatted("rank one broke")
+    dist.barrier()
+
+
+def test_a_rank_stuck_formatting_its_traceback_still_fails_the_launch_at_once(recorder):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(rank_one_stalls_in_its_traceback, num_processes=2, display=recorder)
+    assert time.monotonic() - started < 5  # the first report is enough; the traceback wait is bounded
+    root = info.value.root_cause
+    assert root.rank == 1
+    assert root.reason == "StallsWhileFormatted: rank one broke (stopped before it could send its traceback)"
+    assert {e.rank: e.state for e in recorder.of(RankFinished)} == {0: RankState.STOPPED, 1: RankState.FAILED}
