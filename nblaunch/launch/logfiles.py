@@ -9,15 +9,17 @@ import time
 
 from nblaunch.events import Event, LaunchFinished, Output, RankFinished, RankState, Stacks
 
-_KEEP_LAUNCHES = 20  # log folders of older launches are removed
+_KEEP_LAUNCHES = 20  # log folders of the latest launches are kept...
+_PRUNE_AT = 40  # ...and older ones removed in batches, not one at every launch
 
 
 def new_log_dir() -> str:
     root = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
     os.makedirs(root, mode=0o700, exist_ok=True)
     old = sorted(os.listdir(root))
-    for name in old[: max(0, len(old) - _KEEP_LAUNCHES + 1)]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if len(old) >= _PRUNE_AT:
+        for name in old[: len(old) - _KEEP_LAUNCHES + 1]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root)
 
 

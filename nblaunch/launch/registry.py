@@ -9,6 +9,7 @@ stops the ranks of any launch whose launcher is gone, and says so.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -32,6 +33,15 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _start_time_of(pid: int) -> int | None:
+    return process_start_time(pid)
+
+
+def _own_start_time() -> int | None:
+    return _start_time_of(os.getpid())  # keyed by pid: a forked child has its own
+
+
 def _alive(pid: int, start_time: int | None) -> bool:
     return start_time is not None and process_start_time(pid) == start_time
 
@@ -51,7 +61,7 @@ class LaunchRecord:
 
     def save(self) -> None:
         record = {
-            "launcher": [self.launcher_pid, process_start_time(self.launcher_pid)],
+            "launcher": [self.launcher_pid, _own_start_time() if self.launcher_pid == os.getpid() else process_start_time(self.launcher_pid)],
             "port": self.port,
             "ranks": self.ranks,
         }

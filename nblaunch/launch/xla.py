@@ -6,6 +6,7 @@ runtime initialised in the launcher breaks every later ``xmp.spawn``.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.metadata
 import importlib.util
@@ -22,11 +23,18 @@ def tpu_markers() -> list[str]:
     found = [name for name in _STRONG_TPU_VARIABLES if os.environ.get(name)]
     if os.environ.get("PJRT_DEVICE", "").upper().startswith("TPU"):
         found.append("PJRT_DEVICE=TPU")
+    return found + list(_tpu_device_files())
+
+
+@functools.lru_cache(maxsize=1)
+def _tpu_device_files() -> tuple[str, ...]:
+    """TPU device files; they do not come and go while a kernel runs, so look once."""
+    found = []
     if glob.glob("/dev/accel[0-9]*"):
         found.append("/dev/accel*")
     if glob.glob("/dev/vfio/[0-9]*") and xla_installed():  # TPU v5e/v6e expose chips through VFIO
         found.append("/dev/vfio/*")
-    return found
+    return tuple(found)
 
 
 def xla_installed() -> bool:
