@@ -40,6 +40,11 @@ class LaunchStarted:
     devices: str
     log_dir: str | None = None
 
+    @property
+    def rendezvous(self) -> str:
+        """Where the ranks meet: host:port, or torch_xla's own mechanism on XLA."""
+        return "torch_xla" if self.start_method == "xla" else f"{self.master_addr}:{self.master_port}"
+
 
 @dataclass(frozen=True)
 class RankStarted:

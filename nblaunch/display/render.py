@@ -83,7 +83,7 @@ def header_html(view: LaunchView, now: float) -> str:
         f"devices: {escape(plan.devices)}",
         f"start: {escape(plan.start_method)}"
         + (f' <span style="{_MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
-        f"rendezvous: {escape(plan.master_addr)}:{plan.master_port}",
+        f"rendezvous: {escape(plan.rendezvous)}",
     ]
     logs = ""
     if plan.log_dir:

@@ -64,7 +64,7 @@ class TextDisplay:
         elif isinstance(event, LaunchStarted):
             self._print(
                 f"nblaunch: {event.function_name} on {event.num_processes} process(es) ({event.devices}), "
-                f"{event.start_method}: {event.start_reason}; rendezvous {event.master_addr}:{event.master_port}"
+                f"{event.start_method}: {event.start_reason}; rendezvous {event.rendezvous}"
                 + (f"; logs in {event.log_dir}" if event.log_dir else "")
             )
         elif isinstance(event, Progress):

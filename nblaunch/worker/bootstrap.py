@@ -284,8 +284,16 @@ def _watch_launcher(control_fd: int, event_fd: int) -> None:
                 channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
 
 
+_WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def format_stacks() -> str:
-    """Every thread's Python stack, the main thread first, without nblaunch's own frames."""
+    """Every thread's Python stack, the main thread first, from the user's code on.
+
+    A forked rank's main thread still holds the frames that led the launcher to fork it (the
+    kernel, the cell, ``notebook_launcher``); an XLA device thread, torch_xla's pool. Frames up
+    to the last one of nblaunch's worker code are not the user's: they are left out.
+    """
     frames = sys._current_frames()
     me = threading.get_ident()
     threads = sorted(threading.enumerate(), key=lambda t: t is not threading.main_thread())
@@ -294,6 +302,9 @@ def format_stacks() -> str:
         frame = frames.get(thread.ident)
         if frame is None or thread.ident == me:
             continue
-        summary = [f for f in traceback.extract_stack(frame) if f.filename != __file__]
+        summary = traceback.extract_stack(frame)
+        ours = [i for i, f in enumerate(summary) if os.path.dirname(os.path.abspath(f.filename)) == _WORKER_DIR]
+        if ours:
+            summary = summary[ours[-1] + 1 :]
         parts.append(f"Thread {thread.name} (most recent call last):\n" + "".join(traceback.format_list(summary)))
     return "\n".join(parts)

@@ -193,3 +193,12 @@ def test_a_rank_stuck_formatting_its_traceback_still_fails_the_launch_at_once(re
     assert root.rank == 1
     assert root.reason == "StallsWhileFormatted: rank one broke (stopped before it could send its traceback)"
     assert {e.rank: e.state for e in recorder.of(RankFinished)} == {0: RankState.STOPPED, 1: RankState.FAILED}
+
+
+def test_stacks_start_at_the_users_function_not_at_the_launchers_frames():
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(hangs_in_a_collective, num_processes=2, timeout=2, display="none")
+    main_thread = info.value.stacks[1].split("\n\n")[0]
+    frames = [line for line in main_thread.splitlines() if line.lstrip().startswith("File ")]
+    assert "in hangs_in_a_collective" in frames[0]  # nothing of pytest, the launcher or the fork before it
+    assert not any("nblaunch" in frame for frame in frames)

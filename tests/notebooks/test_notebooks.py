@@ -1,0 +1,361 @@
+"""The notebooks in notebooks/, run top to bottom in a real Jupyter kernel (nbclient), on the CPU.
+
+Each notebook is executed once per module (a fixture); the tests read what a user would see in
+the cells: printed lines, the exception a cell ends with, the dashboard's static summary (HTML
+that stays in the cell), the stored widget state. Cells tagged ``raises-exception`` end in an
+exception on purpose; nbclient goes on past them.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import html
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+COLAB_URL = "https://colab.research.google.com/github/nblaunch-dev/nblaunch/blob/main/notebooks/04_tpu.ipynb"
+
+
+# --------------------------------------------------------------------------- helpers
+def execute(name: str, cwd: Path, env: dict[str, str] | None = None, km=None, timeout: int = 240):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", store_widget_state=True, km=km,
+        resources={"metadata": {"path": str(cwd)}},
+    )
+    started = time.monotonic()
+    client.execute(**({"env": env} if env else {}))
+    nb.metadata["elapsed_s"] = time.monotonic() - started
+    return nb
+
+
+def cell(nb, starting: str):
+    """The one code cell whose source contains ``starting``."""
+    (found,) = [c for c in nb.cells if c.cell_type == "code" and starting in c.source]
+    return found
+
+
+def stream(code_cell, name: str = "stdout") -> str:
+    return "".join(o.text for o in code_cell.outputs if o.output_type == "stream" and o.name == name)
+
+
+def error(code_cell):
+    (found,) = [o for o in code_cell.outputs if o.output_type == "error"]
+    return found
+
+
+def no_errors_except_tagged(nb) -> None:
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        errors = [o for o in c.outputs if o.output_type == "error"]
+        if "raises-exception" in c.metadata.get("tags", []):
+            assert errors, f"a cell tagged raises-exception did not raise:\n{c.source}"
+        else:
+            assert not errors, f"{errors[0].ename}: {errors[0].evalue}\nin:\n{c.source}"
+
+
+def summary(code_cell) -> str:
+    """The dashboard's static summary left in the launching cell (HTML)."""
+    (found,) = [
+        o.data["text/html"] for o in code_cell.outputs
+        if "nbl-summary" in o.get("data", {}).get("text/html", "")
+    ]
+    return found
+
+
+def text(markup: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))
+
+
+def rank_states(markup: str) -> dict[int, str]:
+    return {int(r): s for r, s in re.findall(r'<tr class="nbl-rank" data-rank="(\d+)" data-state="(\w+)"', markup)}
+
+
+def chart_points(markup: str, metric: str) -> dict[str, int]:
+    chart = re.search(rf'<svg class="nbl-chart" data-metric="{re.escape(metric)}".*?</svg>', markup, re.S)
+    found = re.findall(r'data-series="([^"]*)" data-points="(\d+)"', chart.group(0)) if chart else []
+    return {label: int(n) for label, n in found}
+
+
+def stacks(markup: str) -> dict[int, str]:
+    """{rank: its stack} from a summary's "rank N: where it was stopped" sections."""
+    parts = re.split(r"rank (\d+): where it was stopped", text(markup))
+    return {int(rank): body for rank, body in zip(parts[1::2], parts[2::2])}
+
+
+def has_live_widget(code_cell) -> bool:
+    return any(WIDGET_VIEW in o.get("data", {}) for o in code_cell.outputs)
+
+
+def cpu_computes_bf16() -> bool:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --------------------------------------------------------------------------- 01 quickstart
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    return execute("01_quickstart.ipynb", tmp_path_factory.mktemp("quickstart"))
+
+
+def test_quickstart_runs_without_errors_in_a_few_seconds(quickstart):
+    no_errors_except_tagged(quickstart)
+    assert quickstart.metadata["elapsed_s"] < 120
+
+
+def test_quickstart_trains_the_cnn_to_a_high_accuracy_on_two_cpu_ranks(quickstart):
+    printed = stream(cell(quickstart, 'accuracy = results[0]["test_accuracy"]'))
+    accuracy = float(re.search(r"test accuracy ([\d.]+)%", printed).group(1))
+    assert accuracy > 90, printed
+    assert "on 2 ranks (cpu, cpu)" in printed
+
+
+def test_quickstart_runs_two_cpu_ranks_in_bf16_where_the_cpu_computes_it(quickstart):
+    expected = "bf16" if cpu_computes_bf16() else "no"
+    assert stream(cell(quickstart, "def cpu_computes_bf16")) == f"2 processes, mixed precision: {expected}\n"
+    # the ranks really trained in it: each one's Accelerator reports it
+    assert f"trained in {expected!r}" in stream(cell(quickstart, 'accuracy = results[0]["test_accuracy"]'))
+
+
+def test_the_launch_cell_is_live_and_keeps_a_summary_with_every_ranks_loss(quickstart):
+    launch = cell(quickstart, "results = notebook_launcher(train")
+    assert has_live_widget(launch)
+    done = summary(launch)
+    assert rank_states(done) == {0: "done", 1: "done"}
+    points = chart_points(done, "loss")
+    # 1437 images, batches of 32, 2 ranks: 23 batches a rank and epoch, 5 epochs
+    assert points == {"rank 0": 115, "rank 1": 115}
+    assert "epoch 5: test accuracy" in text(done)  # rank 0's own line, in its log tail
+    state = quickstart.metadata["widgets"][WIDGET_STATE]["state"]
+    assert any('data-state="done"' in str(m["state"].get("value", "")) for m in state.values())
+
+
+def test_quickstart_plots_the_loss_curve(quickstart):
+    plot = cell(quickstart, "import matplotlib.pyplot as plt")
+    assert any("image/png" in o.get("data", {}) for o in plot.outputs)
+
+
+# --------------------------------------------------------------------------- 02 from Accelerate
+@pytest.fixture(scope="module")
+def from_accelerate(tmp_path_factory):
+    return execute("02_from_accelerate.ipynb", tmp_path_factory.mktemp("from_accelerate"))
+
+
+def test_the_accelerate_cell_moves_over_by_changing_its_import_only():
+    nb = nbformat.read(NOTEBOOKS / "02_from_accelerate.ipynb", as_version=4)
+    (original_md,) = [c for c in nb.cells if c.cell_type == "markdown" and "```python\nfrom accelerate import" in c.source]
+    original = re.search(r"```python\n(.*?)\n```", original_md.source, re.S).group(1)
+    moved = cell(nb, "from nblaunch import Accelerator, notebook_launcher").source
+    changed = [line for line in difflib.ndiff(original.splitlines(), moved.splitlines()) if line[:1] in "+-"]
+    assert changed == [
+        "- from accelerate import Accelerator, notebook_launcher",
+        "+ from nblaunch import Accelerator, notebook_launcher",
+    ]
+    assert "notebook_launcher(training_function, args, num_processes=2)" in original  # the original call
+
+
+def test_the_moved_cell_trains_on_two_ranks_that_agree(from_accelerate):
+    no_errors_except_tagged(from_accelerate)
+    launch = cell(from_accelerate, "from nblaunch import Accelerator, notebook_launcher")
+    assert has_live_widget(launch)
+    assert rank_states(summary(launch)) == {0: "done", 1: "done"}
+    printed = stream(cell(from_accelerate, 'print("accuracy per rank:"'))
+    accuracies = json.loads(re.search(r"accuracy per rank: (\[.*\])", printed).group(1))
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1] > 0.85
+    assert "saved model loads: SmallCNN" in printed
+
+
+# --------------------------------------------------------------------------- 03 when things go wrong
+@pytest.fixture(scope="module")
+def went_wrong(tmp_path_factory):
+    return execute("03_when_things_go_wrong.ipynb", tmp_path_factory.mktemp("went_wrong"))
+
+
+def test_only_the_tagged_cells_raise(went_wrong):
+    no_errors_except_tagged(went_wrong)
+    assert went_wrong.metadata["elapsed_s"] < 150
+
+
+def test_a_rank_that_raises_is_named_with_its_exception_and_traceback(went_wrong):
+    failing = cell(went_wrong, "def train_with_a_bad_batch")
+    shown = error(failing)
+    assert shown.ename == "RankFailedError"
+    assert shown.evalue.startswith("rank 1 failed: ValueError: bad batch at step 3 on rank 1")
+    assert 'raise ValueError(f"bad batch at step {step} on rank {rank}")' in shown.evalue  # the worker's traceback
+    # Rank 0 is never blamed; if its "connection closed" arrived before it was stopped, it is listed
+    # after rank 1 as a consequence.
+    for line in shown.evalue.splitlines():
+        if line.startswith("rank 0"):
+            assert line.startswith("rank 0 also failed (likely a consequence of rank 1)"), line
+    assert 'data-state="failed"' in summary(failing)
+    caught = stream(cell(went_wrong, "except RankFailedError as error:"))
+    assert re.fullmatch(
+        r"rank 1 failed first: ValueError\('bad batch at step 3 on rank 1'\)\n"
+        r"ranks that failed, in order: \[1(, 0)?\]\n", caught), caught
+
+
+def test_a_hang_in_a_collective_ends_at_the_timeout_with_every_ranks_stack(went_wrong):
+    hanging = cell(went_wrong, "notebook_launcher(train_with_a_hang")
+    shown = error(hanging)
+    assert shown.ename == "LaunchTimeoutError"
+    assert shown.evalue.startswith("the launch did not finish within timeout=8 s; every rank was stopped.")
+    where = stacks(summary(hanging))
+    assert "dist.all_reduce(torch.ones(1))" in where[0]  # rank 0 waits in the collective
+    assert "threading.Event().wait()" in where[1]  # rank 1 is stuck elsewhere
+    assert "rank 0:" in shown.evalue and "dist.all_reduce(torch.ones(1))" in shown.evalue  # also in the exception
+
+
+def test_an_interrupt_shows_every_ranks_stack_then_raises_keyboard_interrupt(went_wrong):
+    interrupted = cell(went_wrong, "notebook_launcher(blocked, num_processes=2)")
+    assert error(interrupted).ename == "KeyboardInterrupt"
+    done = summary(interrupted)
+    assert 'data-state="stopped"' in done and "interrupted after" in text(done)
+    where = stacks(done)
+    assert "dist.recv(torch.zeros(1), src=1)" in where[0]
+    assert "threading.Event().wait()" in where[1]
+    assert rank_states(done) == {0: "stopped", 1: "stopped"}
+
+
+def test_the_next_launch_in_the_same_kernel_just_works(went_wrong):
+    relaunch = cell(went_wrong, "def all_reduce_check")
+    assert relaunch.outputs[-1]["data"]["text/plain"] == "[3.0, 3.0]"
+    assert rank_states(summary(relaunch)) == {0: "done", 1: "done"}
+
+
+def test_what_an_earlier_kernels_ranks_left_is_stopped_by_the_next_launch(went_wrong):
+    earlier = stream(cell(went_wrong, "start_new_kernel"))
+    servers = sorted(int(pid) for pid in re.findall(r"started a server, pid (\d+)", earlier))
+    assert len(servers) == 2 and earlier.endswith("the earlier kernel is gone\n")
+    (cleanup,) = [c for c in went_wrong.cells if c.source == "notebook_launcher(all_reduce_check, num_processes=2)"]
+    message = stream(cleanup, "stderr")
+    assert f"nblaunch: stopped 2 stale process(es) (pids {servers[0]}, {servers[1]}) left by an earlier launch" in message
+    assert gone(servers, within=5)
+    assert cleanup.outputs[-1]["data"]["text/plain"] == "[3.0, 3.0]"
+
+
+# --------------------------------------------------------------------------- 04 TPU
+TPU = NOTEBOOKS / "04_tpu.ipynb"
+
+
+def test_the_tpu_notebook_is_valid_and_its_code_compiles():
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    nb = nbformat.read(TPU, as_version=4)
+    nbformat.validate(nb)
+    transform = TransformerManager().transform_cell  # %pip lines become Python, as in a kernel
+    for c in nb.cells:
+        if c.cell_type == "code":
+            compile(transform(c.source), "<04_tpu cell>", "exec")
+    assert COLAB_URL in nb.cells[0].source
+    assert nb.metadata.get("accelerator") == "TPU"  # Colab offers the TPU runtime when opening it
+
+
+def test_the_tpu_notebook_uses_only_what_the_quickstart_uses():
+    tpu = nbformat.read(TPU, as_version=4)
+    quick = nbformat.read(NOTEBOOKS / "01_quickstart.ipynb", as_version=4)
+    quick_code = {c.source for c in quick.cells if c.cell_type == "code"}
+    launch = cell(tpu, "results = notebook_launcher(")
+    setup = cell(tpu, "importlib.util.find_spec")
+    for c in tpu.cells:
+        if c.cell_type == "code" and c not in (launch, setup):
+            assert c.source in quick_code, f"not a quickstart cell:\n{c.source}"
+    # The launch: every TPU device (no num_processes), bf16; the arguments the quickstart passes.
+    (call,) = [n for n in ast.walk(ast.parse(launch.source)) if isinstance(n, ast.Call)
+               and getattr(n.func, "id", "") == "notebook_launcher"]
+    assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == {"args": (5, 2e-3), "mixed_precision": "bf16"}
+    assert "notebook_launcher(train, args=(5, 2e-3), num_processes=num_processes," in cell(quick, "results = notebook_launcher(").source
+
+
+def test_the_tpu_notebook_runs_through_xmp_spawn_on_xla_cpu_devices(tmp_path):
+    if importlib.util.find_spec("torch_xla") is None:
+        pytest.skip("needs torch_xla, which the main environment lacks: the XLA lane (.venv-xla with torch_xla, "
+                    "PJRT_DEVICE=CPU) executes 04_tpu.ipynb")
+    # The notebook is run unchanged. torch_xla gets CPU devices (PJRT_DEVICE=CPU; one, since XLA's CPU
+    # client aborts collectives across two), and TPU_ACCELERATOR_TYPE, a variable TPU VMs set, makes
+    # this a "TPU host" for nblaunch, so notebook_launcher(train) picks xmp.spawn as it does on a TPU.
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TPU_ACCELERATOR_TYPE="cpu-simulated")
+    nb = execute("04_tpu.ipynb", tmp_path, env=env, timeout=300)
+    no_errors_except_tagged(nb)
+    launch = cell(nb, "results = notebook_launcher(")
+    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
+    (header,) = [text(m["state"]["value"]) for m in state.values() if 'class="nbl-header"' in str(m["state"].get("value"))]
+    assert "start: xla" in header and "xmp.spawn" in header and "1 XLA device(s) (CPU)" in header
+    assert rank_states(summary(launch)) == {0: "done"}
+    printed = stream(cell(nb, 'accuracy = results[0]["test_accuracy"]'))
+    assert float(re.search(r"test accuracy ([\d.]+)%", printed).group(1)) > 90, printed
+    assert "trained in 'bf16' on 1 ranks (xla:0)" in printed  # on the XLA device, in bf16
+
+
+# --------------------------------------------------------------------------- Binder
+@pytest.mark.slow
+def test_binder_requirements_build_an_environment_that_runs_the_quickstart(tmp_path):
+    """What mybinder.org does, with pip only: a fresh environment from binder/requirements.txt
+    (run from the repository root, as repo2docker does), then the quickstart in its kernel.
+
+    binder/requirements.txt pins torch==2.13.0 next to PyTorch's CPU index, so pip takes the
+    "2.13.0+cpu" build over PyPI's CUDA one. Here that index cannot be reached (pip warns and goes
+    on) and the pin is served by the local 2.13.0+cpu wheel (pip's find-links); on mybinder.org it
+    comes from the CPU index. Either way, never PyPI's CUDA build: the test checks that.
+    """
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # --retries 0: where PyPI's mirror is reachable but PyTorch's CPU index is not (as in CI here),
+    # pip would retry that index for every package, for minutes; one try each is enough.
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--retries", "0"]
+    install = subprocess.run(pip + ["-r", "binder/requirements.txt"], cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert install.returncode == 0, install.stdout + install.stderr
+    # repo2docker's base environment brings the Jupyter server and ipykernel; the binder files do not.
+    subprocess.run(pip + ["ipykernel"], check=True, capture_output=True, timeout=180)
+
+    installed = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True)
+    versions = {p["name"].lower(): p["version"] for p in json.loads(installed.stdout)}
+    assert versions["torch"] == "2.13.0+cpu"
+    assert not [name for name in versions if name.startswith("nvidia-")], "a CUDA torch came in"
+    assert {"nblaunch", "scikit-learn", "matplotlib", "ipywidgets"} <= set(versions)
+
+    kernels = tmp_path / "kernels" / "binder"
+    kernels.mkdir(parents=True)
+    (kernels / "kernel.json").write_text(json.dumps({
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "binder", "language": "python",
+    }))
+    km = KernelManager(kernel_name="binder", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels.parent)]))
+    nb = execute("01_quickstart.ipynb", tmp_path, km=km)
+    no_errors_except_tagged(nb)
+    printed = stream(cell(nb, 'accuracy = results[0]["test_accuracy"]'))
+    assert float(re.search(r"test accuracy ([\d.]+)%", printed).group(1)) > 90, printed
+    assert rank_states(summary(cell(nb, "results = notebook_launcher(train"))) == {0: "done", 1: "done"}
