@@ -48,6 +48,16 @@ class LogRing:
         self._lines.append(line)
         self.total += 1
 
+    def extend(self, rank: int, stream: str, texts: tuple[str, ...] | list[str]) -> None:
+        """Add whole lines of one rank at once. Only the last ``capacity`` of them can stay, so
+        only those become LogLines: a rank printing 100k lines costs a slice, not a loop."""
+        self._transient.pop(rank, None)
+        self.total += len(texts)
+        for text in texts[-self.capacity :]:
+            if len(text) > MAX_LINE_CHARS:
+                text = text[:MAX_LINE_CHARS] + " …[line cut]"
+            self._lines.append(LogLine(rank, stream, text))
+
     def view(self) -> list[LogLine]:
         """The kept lines, oldest first, then any line still being redrawn."""
         return [*self._lines, *self._transient.values()]

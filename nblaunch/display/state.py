@@ -156,12 +156,17 @@ class LaunchView:
 
     def _output(self, event: Output) -> None:
         rank = self.rank(event.rank)
-        for text in event.lines:
-            line = LogLine(event.rank, event.stream, text)
-            rank.log.add(line, event.transient)
-            self.merged.add(line, event.transient)
+        if event.transient:
+            line = LogLine(event.rank, event.stream, event.lines[0])
+            rank.log.add(line, transient=True)
+            self.merged.add(line, transient=True)
+        else:
+            rank.log.extend(event.rank, event.stream, event.lines)
+            self.merged.extend(event.rank, event.stream, event.lines)
+        for text in reversed(event.lines):  # the last line with something on it
             if text.strip():
                 rank.last_line = text
+                break
         self.dirty |= {RANKS, rank_log(event.rank), MERGED_LOG}
 
     def _progress(self, event: Progress, now: float) -> None:

@@ -29,3 +29,18 @@ def test_a_huge_line_is_cut():
     ring.add(LogLine(0, "stdout", "x" * 10_000_000))
     (line,) = ring.view()
     assert len(line.text) < MAX_LINE_CHARS + 20 and line.text.endswith("[line cut]")
+
+
+def test_extend_keeps_the_same_tail_and_count_as_adding_one_by_one():
+    from nblaunch.display.logring import LogLine, LogRing
+
+    one_by_one, batched = LogRing(capacity=5), LogRing(capacity=5)
+    batches = [[f"a{i}" for i in range(3)], [f"b{i}" for i in range(12)], ["c" * 3000]]
+    one_by_one.add(LogLine(1, "stdout", "redrawn"), transient=True)
+    batched.add(LogLine(1, "stdout", "redrawn"), transient=True)
+    for batch in batches:
+        for text in batch:
+            one_by_one.add(LogLine(1, "stdout", text))
+        batched.extend(1, "stdout", batch)
+    assert batched.view() == one_by_one.view()
+    assert (batched.total, batched.dropped) == (one_by_one.total, one_by_one.dropped) == (16, 11)
