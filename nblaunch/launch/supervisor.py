@@ -157,7 +157,10 @@ class Supervisor:
         no_pidfd = any(p.exit_fd is None for p in self._live_processes())
         if no_pidfd:
             wait = _POLL_WITHOUT_PIDFD_S if wait is None else min(wait, _POLL_WITHOUT_PIDFD_S)
+        registered = self._selector.get_map()
         for key, _ in self._selector.select(wait):
+            if key.fd not in registered:
+                continue  # an exit earlier in this batch drained and unregistered it
             owner, kind = key.data
             if kind == _FD_WAKE:
                 os.read(self._wake_read, 4096)
