@@ -17,6 +17,10 @@ training function keeps working::
 
     notebook_launcher(train, num_processes=2)
 
+On XLA (``notebook_launcher(train, start_method="xla")``, automatic on TPU hosts) the same
+function runs once per device: no DDP, gradients averaged by the prepared optimizer through XLA,
+one ``torch_xla.sync()`` per batch and per optimizer step, bf16 through autocast on the device.
+
 The differences from Accelerate that are on purpose are listed in ``docs/accelerator.md``.
 """
 
@@ -271,6 +275,10 @@ class Accelerator:
         return self.state.num_processes > 1
 
     @property
+    def _on_xla(self) -> bool:
+        return self.state.distributed_type is DistributedType.XLA
+
+    @property
     def is_main_process(self) -> bool:
         return self.state.process_index == 0
 
@@ -331,9 +339,19 @@ class Accelerator:
         elif len(device_placement) != len(args):
             raise ValueError("device_placement needs one entry per object")
         results: list[Any] = list(args)
-        # Schedulers last: they need the prepared optimizers.
+        # Models first: optimizers need their moved parameters. Schedulers last: they need the
+        # prepared optimizers.
+        models = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
+        before = [dict(args[i].named_parameters()) for i in models] if self._on_xla else []
+        for i in models:
+            results[i] = self.prepare_model(args[i], device_placement=device_placement[i])
+        if before:
+            moved = _moved_parameters(before, [results[i] for i in models])
+            for obj in args:
+                if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                    _switch_parameters(obj, moved)
         for i, (obj, place) in enumerate(zip(args, device_placement)):
-            if not _is_scheduler(obj):
+            if not isinstance(obj, torch.nn.Module) and not _is_scheduler(obj):
                 results[i] = self._prepare_one(obj, place)
         for i, obj in enumerate(args):
             if _is_scheduler(obj):
@@ -341,8 +359,6 @@ class Accelerator:
         return results[0] if len(results) == 1 else tuple(results)
 
     def _prepare_one(self, obj: Any, place: bool | None) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=place)
         if isinstance(obj, torch.optim.Optimizer):
             return self.prepare_optimizer(obj, device_placement=place)
         if isinstance(obj, DataLoader):
@@ -354,17 +370,17 @@ class Accelerator:
         """Move to the device, wrap the forward in autocast (mixed precision), wrap in DDP.
 
         DDP is used only with more than one process and trainable parameters (and not with
-        ``evaluation_mode``).
+        ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients there).
         """
         if any(model is m for m in self._models) or isinstance(model, DistributedDataParallel):
             return model
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement:
-            model = model.to(self.device)
+            model = _move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
         if self._autocast_dtype is not None and not isinstance(model.__dict__.get("forward"), AutocastForward):
             model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
-        if (self.num_processes > 1 and not evaluation_mode
+        if (self.num_processes > 1 and not evaluation_mode and not self._on_xla
                 and any(p.requires_grad for p in model.parameters())):
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
@@ -373,7 +389,13 @@ class Accelerator:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           device_placement: bool | None = None) -> AcceleratedOptimizer:
-        """Wrap so that ``step``/``zero_grad`` act only on sync steps, through the fp16 scaler."""
+        """Wrap so that ``step``/``zero_grad`` act only on sync steps, through the fp16 scaler
+        (on XLA: averaging the gradients over the devices, then ``torch_xla.sync()``).
+
+        On XLA, moving a model makes new parameters: prepare the model and its optimizer in one
+        ``prepare`` call (the optimizer is pointed at the moved parameters), or create the
+        optimizer after preparing the model.
+        """
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         for opt in self._optimizers:
@@ -381,9 +403,11 @@ class Accelerator:
                 return opt
         if device_placement is None:
             device_placement = self.device_placement
+        if device_placement and self._on_xla:
+            _check_on_xla(optimizer)
         if device_placement and self.device.type != "cpu" and optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state to the params' device
-        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler)
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler, on_xla=self._on_xla)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -479,15 +503,24 @@ class Accelerator:
             self.scaler.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        """Unscale (fp16), then ``torch.nn.utils.clip_grad_norm_``; returns the total norm."""
+        """Unscale (fp16) or average over the XLA devices, then
+        ``torch.nn.utils.clip_grad_norm_``; returns the total norm."""
         parameters = list(parameters)
-        self.unscale_gradients(self._optimizers_of(parameters))
+        self._finish_gradients(parameters)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         parameters = list(parameters)
-        self.unscale_gradients(self._optimizers_of(parameters))
+        self._finish_gradients(parameters)
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def _finish_gradients(self, parameters: list) -> None:
+        """Make the gradients final before clipping: unscaled (fp16), averaged (XLA)."""
+        optimizers = self._optimizers_of(parameters)
+        self.unscale_gradients(optimizers)
+        if self._on_xla and self.gradient_state.sync_gradients:
+            for opt in optimizers:
+                opt.reduce_gradients()  # the prepared optimizer then does not reduce again
 
     def _optimizers_of(self, parameters: list) -> list[AcceleratedOptimizer]:
         ids = {id(p) for p in parameters}
@@ -620,16 +653,21 @@ class Accelerator:
         return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """``torch.save`` on the main process only."""
+        """``torch.save`` on the main process only (call it on every process: on XLA tensors are
+        copied to the CPU first, ``xm.save``'s way)."""
+        from nblaunch.training.checkpoint import host_saver
+        save = host_saver(self.state)
         if self.is_main_process:
-            torch.save(obj, f)
+            save(obj, f)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: Any = None, safe_serialization: bool = True) -> str:
         """Write the unwrapped model's weights (main process): ``model.safetensors`` when
         ``safetensors`` is installed and asked for, else ``pytorch_model.bin``. Returns the path."""
+        from nblaunch.training.checkpoint import host_saver
         save_directory = os.fspath(save_directory)
         state_dict = self.get_state_dict(model)
+        save = host_saver(self.state)
         save_file = None
         if safe_serialization:
             try:
@@ -646,7 +684,7 @@ class Accelerator:
                 save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, path,
                           metadata={"format": "pt"})
             else:
-                torch.save(state_dict, path)
+                save(state_dict, path)
         self.wait_for_everyone()
         return path
 
@@ -685,6 +723,66 @@ class Accelerator:
         return tuple(None for _ in objects)
 
     clear = free_memory
+
+
+def _move_keeping_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to(device)``, with parameters shared between modules still shared afterwards.
+
+    Moving to XLA makes a new ``Parameter`` per place a tensor is used, so tied weights (an
+    embedding and its output layer) would train apart.
+    """
+    places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            places.setdefault(id(param), []).append((module, name))
+    model = model.to(device)
+    for shared in places.values():
+        first_module, first_name = shared[0]
+        for module, name in shared[1:]:
+            setattr(module, name, getattr(first_module, first_name))
+    return model
+
+
+def _moved_parameters(before: list[dict[str, torch.nn.Parameter]],
+                      after: list[torch.nn.Module]) -> dict[int, torch.nn.Parameter]:
+    """``id(old parameter) -> new parameter`` for models whose parameters were replaced.
+
+    Moving a model to an XLA device makes new ``Parameter`` objects (a CPU and an XLA tensor
+    cannot share one), so an optimizer made before still points at the CPU ones.
+    """
+    moved = {}
+    for old, model in zip(before, after):
+        new = dict(model.named_parameters())
+        for name, param in old.items():
+            if name in new and new[name] is not param:
+                moved[id(param)] = new[name]
+    return moved
+
+
+def _switch_parameters(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> None:
+    """Point ``optimizer`` (its groups and its state) at the moved parameters.
+
+    Example::
+
+        moved = _moved_parameters([dict(model.named_parameters())], [model.to(xla_device)])
+        _switch_parameters(optimizer, moved)
+    """
+    if not moved:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    for old in [p for p in optimizer.state if id(p) in moved]:
+        optimizer.state[moved[id(old)]] = optimizer.state.pop(old)
+
+
+def _check_on_xla(optimizer: torch.optim.Optimizer) -> None:
+    stray = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.device.type != "xla"]
+    if stray:
+        raise ValueError(
+            f"the optimizer holds {len(stray)} parameter(s) that are not on the XLA device (shapes "
+            f"{stray[:3]}): moving a model to XLA makes new parameters. Prepare the model and its "
+            "optimizer in one call, accelerator.prepare(model, optimizer, ...), or create the "
+            "optimizer after preparing the model.")
 
 
 def _is_scheduler(obj: Any) -> bool:

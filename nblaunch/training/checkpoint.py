@@ -11,6 +11,10 @@ Layout of a checkpoint directory (files of the main process unless marked per ra
 
 The data position of every prepared DataLoader (epoch, shuffle seed, batches consumed) is
 restored too, so the next ``for batch in loader`` continues the interrupted epoch exactly.
+
+On XLA every rank first runs its pending graph (``torch_xla.sync()``), then the main rank copies
+the tensors to the CPU and writes them (``xm.save``'s way), so a checkpoint loads without
+torch_xla; the rank files also hold each device's XLA RNG seed.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from nblaunch.training import xla
 from nblaunch.training.seed import get_rng_states, set_rng_states
+from nblaunch.training.state import DistributedType, PartialState
 
 if TYPE_CHECKING:
     from nblaunch.training.accelerator import Accelerator
@@ -34,25 +40,48 @@ def _name(stem: str, i: int, ext: str) -> str:
     return f"{stem}.{ext}" if i == 0 else f"{stem}_{i}.{ext}"
 
 
+def host_saver(state: PartialState) -> Callable[[Any, Any], None]:
+    """``torch.save`` for this rank's tensors: on XLA it runs the pending graph of *this* rank
+    (call it on every rank) and saves CPU copies; elsewhere it is ``torch.save``.
+
+    Example::
+
+        save = host_saver(accelerator.state)
+        if accelerator.is_main_process:
+            save(model.state_dict(), "model.bin")
+    """
+    if state.distributed_type is not DistributedType.XLA:
+        return torch.save
+
+    xla.sync()  # every rank: the main rank's copies below then run no collective alone
+
+    def save(obj: Any, path: Any) -> None:
+        torch.save(xla.to_cpu(obj), path)
+
+    return save
+
+
 def save_state(acc: "Accelerator", output_dir: str | os.PathLike) -> str:
     output_dir = os.fspath(output_dir)
     state = acc.state
+    rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
+    save = host_saver(state)
     if state.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         for i, model in enumerate(acc._models):
-            torch.save(acc.get_state_dict(model), os.path.join(output_dir, _name("model", i, "bin")))
+            save(acc.get_state_dict(model), os.path.join(output_dir, _name("model", i, "bin")))
         for i, opt in enumerate(acc._optimizers):
-            torch.save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
+            save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
         for i, sched in enumerate(acc._schedulers):
-            torch.save(sched.scheduler.state_dict(), os.path.join(output_dir, _name("scheduler", i, "bin")))
+            save(sched.scheduler.state_dict(), os.path.join(output_dir, _name("scheduler", i, "bin")))
         if acc.scaler is not None:
-            torch.save(acc.scaler.state_dict(), os.path.join(output_dir, "scaler.pt"))
+            save(acc.scaler.state_dict(), os.path.join(output_dir, "scaler.pt"))
         for i, obj in enumerate(acc._custom_objects):
-            torch.save(obj.state_dict(), os.path.join(output_dir, f"custom_checkpoint_{i}.pkl"))
+            save(obj.state_dict(), os.path.join(output_dir, f"custom_checkpoint_{i}.pkl"))
     else:
         os.makedirs(output_dir, exist_ok=True)  # a per-node disk has no main process writing it
     rank_state = {
-        "rng": get_rng_states(),
+        "rng": rng,
         "dataloaders": [loader.state_dict() for loader in acc._dataloaders],
         "step": acc.gradient_state.step,
         "num_processes": state.num_processes,
@@ -60,6 +89,10 @@ def save_state(acc: "Accelerator", output_dir: str | os.PathLike) -> str:
     with open(os.path.join(output_dir, f"rank_{state.process_index}.pkl"), "wb") as f:
         pickle.dump(rank_state, f)
     acc.wait_for_everyone()  # nobody reads the checkpoint before it is complete
+    if "xla" in rng:
+        # Undo what this function's syncs did to the XLA seed: the run goes on with the random
+        # numbers a resumed run gets.
+        xla.set_rng_state(rng["xla"], state.device)
     return output_dir
 
 
@@ -104,4 +137,4 @@ def load_state(acc: "Accelerator", input_dir: str | os.PathLike, strict: bool = 
         for loader, position in zip(acc._dataloaders, positions):
             loader.load_state_dict(position)
     acc.gradient_state.step = rank_state.get("step", 0)
-    set_rng_states(rank_state["rng"])
+    set_rng_states(rank_state["rng"], acc.state.device)

@@ -18,6 +18,10 @@ get a generator reseeded at the start of every epoch with ``seed + epoch``, the 
 Iterable datasets: each rank reads the whole stream, and out of every ``P`` batches' worth of
 samples takes its own slice (so only its own samples are collated and moved).
 
+On XLA the prepared loader does what ``MpDeviceLoader`` does (``torch_xla.sync()`` before every
+batch, one transfer to the device), inline: without read-ahead threads, so positions and random
+states stay exact.
+
 The prepared loader counts the batches it hands out; that count, the epoch and the seed are the
 data position saved by ``save_state``, and :func:`skip_first_batches` skips at the index level
 (skipped batches are never loaded) for map-style datasets.
@@ -25,14 +29,16 @@ data position saved by ``save_state``, and :func:`skip_first_batches` skips at t
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler,
                               SequentialSampler)
 from torch.utils.data.distributed import DistributedSampler
 
+from nblaunch.training import xla
 from nblaunch.training.ops import send_to_device
 
 __all__ = ["ShardedBatchSampler", "IterableDatasetShard", "PreparedDataLoader", "prepare_data_loader",
@@ -311,7 +317,7 @@ class PreparedDataLoader(DataLoader):
         set_(self, "batch_size", per_process_batch_size)
         self._gradient_state = gradient_state
         self._device = device if device is not None and device.type != "cpu" else None
-        self._non_blocking = non_blocking
+        self._feed = _feeder(self._device, non_blocking)
         self._num_processes = num_processes
         self._shuffle_generator = shuffle_generator
         self.seed = seed
@@ -418,7 +424,7 @@ class PreparedDataLoader(DataLoader):
 
     def _batches(self, iterator: Iterator[Any], skip: int, index_skip: bool) -> Iterator[Any]:
         gs = self._gradient_state
-        device, non_blocking = self._device, self._non_blocking
+        feed = self._feed
         progress = self._progress = _Progress()  # a fresh one: an abandoned epoch keeps its own
         progress.count = skip
         progress.in_epoch = True
@@ -441,8 +447,8 @@ class PreparedDataLoader(DataLoader):
                         progress.end = True
                     count += 1
                     progress.count = count
-                    if device is not None:
-                        batch = send_to_device(batch, device, non_blocking)
+                    if feed is not None:
+                        batch = feed(batch)
                     yield batch
             else:
                 # Unknown length: hold one batch back to know which is the last.
@@ -454,8 +460,8 @@ class PreparedDataLoader(DataLoader):
                         progress.end = True
                     count += 1
                     progress.count = count
-                    if device is not None:
-                        current = send_to_device(current, device, non_blocking)
+                    if feed is not None:
+                        current = feed(current)
                     yield current
                     current = following
             progress.end = True
@@ -465,6 +471,16 @@ class PreparedDataLoader(DataLoader):
 
 
 _END = object()
+
+
+def _feeder(device: torch.device | None, non_blocking: bool) -> Callable[[Any], Any] | None:
+    """What happens to every batch: nothing (CPU), a copy to the device, or on XLA also the
+    step's ``torch_xla.sync()``."""
+    if device is None:
+        return None
+    if device.type == "xla":
+        return xla.device_feeder(device)
+    return functools.partial(send_to_device, device=device, non_blocking=non_blocking)
 
 
 class _Progress:
@@ -536,10 +552,12 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
 
 
 def _shared_seed(generator: torch.Generator | None, num_processes: int, device: torch.device) -> int:
-    # device: where the collective runs (cuda for nccl, cpu for gloo)
+    # device: where the collective runs (cuda for nccl, cpu for gloo, xla)
     """A shuffle seed drawn on every rank (so RNG streams stay aligned) and taken from rank 0."""
     seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    if num_processes > 1:
+    if device.type == "xla":
+        seed = xla.broadcast_object(seed, 0)
+    elif num_processes > 1:
         import torch.distributed as dist
         t = torch.tensor([seed], dtype=torch.int64, device=device)
         dist.broadcast(t, src=0)

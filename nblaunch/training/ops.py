@@ -1,6 +1,7 @@
 """Collectives over tensors and nested structures of tensors (tuples, lists, dicts).
 
 Every function works with one process too (then it returns its input, as Accelerate does).
+On XLA every collective goes through XLA (``nblaunch.training.xla``), with one device too.
 Gathers first exchange the shapes, so tensors of different shapes on different ranks raise the
 same clear ``ValueError`` on every rank instead of hanging or failing deep inside gloo/nccl.
 
@@ -17,7 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from nblaunch.training.state import PartialState
+from nblaunch.training import xla
+from nblaunch.training.state import DistributedType, PartialState
 
 __all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast",
            "broadcast_object_list", "recursively_apply", "send_to_device", "concatenate",
@@ -64,16 +66,28 @@ def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+def _on_xla(state: PartialState) -> bool:
+    return state.distributed_type is DistributedType.XLA
+
+
+def _skip(state: PartialState) -> bool:
+    """One process and no XLA: a collective would return its input unchanged."""
+    return state.num_processes == 1 and not _on_xla(state)
+
+
+def _all_gather(tensor: torch.Tensor, state: PartialState) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on every rank), in rank order."""
+    if _on_xla(state):
+        return list(xla.all_gather(tensor).chunk(state.num_processes))
+    parts = [torch.empty_like(tensor) for _ in range(state.num_processes)]
+    dist.all_gather(parts, tensor)
+    return parts
+
+
 def _exchange_headers(tensor: torch.Tensor, state: PartialState) -> list[tuple[int, ...]]:
-    """Every rank's (dtype, shape) of ``tensor``; one small all_gather."""
-    mine = _header(tensor, state.device)
-    headers = [torch.empty_like(mine) for _ in range(state.num_processes)]
-    dist.all_gather(headers, mine)
-    out = []
-    for h in headers:
-        values = h.tolist()
-        out.append((values[1],) + tuple(values[2:2 + values[0]]))
-    return out
+    """Every rank's (dtype, shape) of ``tensor``; one small all_gather, one read to the host."""
+    headers = torch.stack(_all_gather(_header(tensor, state.device), state)).tolist()
+    return [(values[1],) + tuple(values[2:2 + values[0]]) for values in headers]
 
 
 def _describe(headers: list[tuple[int, ...]]) -> str:
@@ -91,9 +105,7 @@ def _gather_one(tensor: torch.Tensor, state: PartialState, allow_uneven_dim0: bo
     headers = _exchange_headers(tensor, state)
     first = headers[0]
     if all(h == first for h in headers):
-        parts = [torch.empty_like(tensor) for _ in range(state.num_processes)]
-        dist.all_gather(parts, tensor)
-        return torch.cat(parts, dim=0)
+        return torch.cat(_all_gather(tensor, state), dim=0)
     same_rest = all(h[0] == first[0] and h[2:] == first[2:] and len(h) == len(first)
                     for h in headers)
     if not (allow_uneven_dim0 and same_rest):
@@ -107,8 +119,7 @@ def _gather_one(tensor: torch.Tensor, state: PartialState, allow_uneven_dim0: bo
     longest = max(lengths)
     padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
-    parts = [torch.empty_like(padded) for _ in range(state.num_processes)]
-    dist.all_gather(parts, padded)
+    parts = _all_gather(padded, state)
     return torch.cat([p[:n] for p, n in zip(parts, lengths)], dim=0)
 
 
@@ -116,10 +127,14 @@ def gather(data: Any, *, allow_uneven_dim0: bool = False) -> Any:
     """Concatenate every process's tensors along dimension 0, on every process.
 
     0-d tensors become one element per process. Nested tuples/lists/dicts are gathered leaf by
-    leaf. With one process the input is returned unchanged.
+    leaf. With one process the input is returned unchanged (on XLA it is gathered all the same).
+
+    Example (2 processes)::
+
+        gather(torch.tensor([rank]))   # tensor([0, 1]) on both
     """
     state = PartialState()
-    if state.num_processes == 1:
+    if _skip(state):
         return data
     return recursively_apply(lambda t: _gather_one(t, state, allow_uneven_dim0), data)
 
@@ -133,8 +148,11 @@ def gather_object(obj: Any) -> list:
     state = PartialState()
     if state.num_processes == 1:
         return obj
-    parts: list[Any] = [None] * state.num_processes
-    dist.all_gather_object(parts, obj)
+    if _on_xla(state):
+        parts = xla.gather_objects(obj)
+    else:
+        parts = [None] * state.num_processes
+        dist.all_gather_object(parts, obj)
     if isinstance(obj, (list, tuple)):
         return [item for part in parts for item in part]
     return parts
@@ -147,11 +165,14 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     state = PartialState()
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        out = t.clone()
-        if state.num_processes > 1 and reduction != "none":
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
-            if reduction == "mean":
-                out /= state.num_processes
+        if reduction != "none" and _on_xla(state):
+            out = xla.all_reduce_sum(t)
+        else:
+            out = t.clone()
+            if state.num_processes > 1 and reduction != "none":
+                dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        if reduction == "mean" and state.num_processes > 1:
+            out /= state.num_processes
         if scale != 1.0:
             out *= scale
         return out
@@ -162,7 +183,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad tensors along ``dim`` to the largest size over all processes (so they can be gathered)."""
     state = PartialState()
-    if state.num_processes == 1:
+    if _skip(state):
         return data
 
     def one(t: torch.Tensor) -> torch.Tensor:
@@ -170,14 +191,13 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
             return t
         d = dim if dim >= 0 else t.ndim + dim
         sizes = torch.tensor([t.ndim, t.shape[d] if d < t.ndim else -1], device=state.device)
-        all_sizes = [torch.empty_like(sizes) for _ in range(state.num_processes)]
-        dist.all_gather(all_sizes, sizes)
-        ndims = {int(s[0]) for s in all_sizes}
+        all_sizes = torch.stack(_all_gather(sizes, state)).tolist()  # one read to the host
+        ndims = {s[0] for s in all_sizes}
         if len(ndims) != 1 or d >= t.ndim:
             raise ShapeMismatchError(
                 f"pad_across_processes(dim={dim}) needs tensors with the same number of "
                 f"dimensions on every process, got {sorted(ndims)}")
-        longest = max(int(s[1]) for s in all_sizes)
+        longest = max(s[1] for s in all_sizes)
         if longest == t.shape[d]:
             return t
         shape = list(t.shape)
@@ -194,10 +214,12 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
 def broadcast(data: Any, from_process: int = 0) -> Any:
     """Copy tensors of ``from_process`` into the same tensors on every process (in place)."""
     state = PartialState()
-    if state.num_processes == 1:
+    if _skip(state):
         return data
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        if _on_xla(state):
+            return xla.broadcast_(t, from_process)
         dist.broadcast(t, src=from_process)
         return t
 
@@ -207,7 +229,9 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
 def broadcast_object_list(objects: list, from_process: int = 0) -> list:
     """Replace the items of ``objects`` by those of ``from_process`` (in place, picklable items)."""
     state = PartialState()
-    if state.num_processes > 1:
+    if state.num_processes > 1 and _on_xla(state):
+        objects[:] = xla.broadcast_object(list(objects), from_process)
+    elif state.num_processes > 1:
         dist.broadcast_object_list(objects, src=from_process)
     return objects
 

@@ -5,6 +5,10 @@ accumulation, and goes through the GradScaler under fp16; :class:`AcceleratedSch
 after the optimizer really stepped (not on accumulation micro-steps, not when fp16 overflow made
 the scaler skip the step).
 
+On XLA (``on_xla=True``) a step first averages the gradients over the devices (``xm.reduce_gradients``,
+once per step, also when ``clip_grad_norm_`` asked for it earlier), then runs ``torch_xla.sync()``
+so every step is one XLA graph.
+
 Both forward every other attribute to the wrapped object, so ``optimizer.param_groups``,
 ``scheduler.get_last_lr()`` and so on work as before.
 """
@@ -15,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from nblaunch.training import xla
 from nblaunch.training.state import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
@@ -28,12 +33,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: "torch.amp.GradScaler | None" = None) -> None:
+                 scaler: "torch.amp.GradScaler | None" = None, on_xla: bool = False) -> None:
         # Optimizer.__init__ is not called on purpose: everything is the wrapped optimizer's.
         self.optimizer = optimizer
         self.scaler = scaler
         self.gradient_state = gradient_state
         self._step_was_skipped = False  # only a GradScaler ever skips a step
+        self._xla = on_xla
+        self._gradients_reduced = False  # XLA: already averaged over the devices for this step
 
     # The attributes torch code reads on an optimizer, all the wrapped one's.
     @property
@@ -83,6 +90,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         if not self.gradient_state.sync_gradients:
             return None  # an accumulation micro-step: gradients keep adding up
+        if self._xla:
+            return self._xla_step(closure)
         scaler = self.scaler
         if scaler is None:
             if closure is None:
@@ -95,9 +104,27 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._step_was_skipped = scaler.get_scale() < before
         return result
 
+    def reduce_gradients(self) -> None:
+        """XLA: average the gradients over all devices, once per step (nothing with one device).
+
+        Example: ``accelerator.clip_grad_norm_`` calls it so the norm is the global one.
+        """
+        if self._xla and not self._gradients_reduced:
+            xla.reduce_gradients(self.optimizer)
+            self._gradients_reduced = True
+
+    def _xla_step(self, closure: Callable | None) -> Any:
+
+        self.reduce_gradients()
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._gradients_reduced = False
+        xla.sync()  # without it the lazy graph would grow over every step until something reads it
+        return result
+
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         if self.gradient_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            self._gradients_reduced = False  # the next gradients are new ones
 
     def state_dict(self) -> dict:  # type: ignore[override]
         return self.optimizer.state_dict()

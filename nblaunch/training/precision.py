@@ -5,7 +5,8 @@ Modes are ``"no"``, ``"fp16"`` and ``"bf16"``. ``mixed_precision=None`` reads
 launcher's choice reaches every worker; an explicit argument wins.
 
 fp16 works for real on the CPU too (CPU autocast to float16 and ``torch.amp.GradScaler("cpu")``),
-it is never silently ignored. fp8 is refused with a clear error.
+it is never silently ignored. fp8 is refused with a clear error, and so is fp16 on XLA devices
+(TPUs compute in bf16; ``bf16`` autocasts on the XLA device).
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ def autocast_dtype(mode: str) -> torch.dtype | None:
 
 
 def check_supported(mode: str, device: torch.device) -> None:
-    """Refuse, with a clear message, a mode this device cannot run."""
+    """Refuse, with a clear message, a mode this device cannot run.
+
+    Example: ``check_supported("fp16", torch.device("xla", 0))`` raises ``ValueError``.
+    """
+    if mode == "fp16" and device.type == "xla":
+        raise ValueError("mixed_precision='fp16' is not supported on XLA devices (no GradScaler "
+                         "there, and TPUs compute in bf16): use 'bf16' or 'no'")
     if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"mixed_precision='bf16' is not supported by {torch.cuda.get_device_name(device)}")
     if mode == "fp16" and device.type == "cpu":

@@ -5,6 +5,10 @@
 variables the launcher sets in every worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...); with
 none of them set it describes a single, non-distributed process.
 
+On XLA (``notebook_launcher(..., start_method="xla")``, TPU hosts) one process runs several
+ranks, one thread each, so there the state is shared per *thread* instead, and its ranks come
+from ``torch_xla.runtime``, never from the environment (which the threads share).
+
 Unlike Accelerate, the state can be thrown away: :func:`reset_process_state` destroys the process
 group nblaunch created (never one it adopted) and forgets everything, and a state inherited through
 ``fork`` or built under other launch variables is rebuilt on its own. So an ``Accelerator`` made in
@@ -25,17 +29,21 @@ import contextlib
 import enum
 import functools
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from nblaunch.training import xla
+
 __all__ = ["DistributedType", "PartialState", "GradientState", "reset_process_state"]
 
 # The launch variables; a state built under other values (or in another pid) is stale.
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
                      "MASTER_ADDR", "MASTER_PORT", "NBLAUNCH_FORCE_CPU")
+_FORCE_CPU_AT = 1 + _LAUNCH_VARIABLES.index("NBLAUNCH_FORCE_CPU")  # in the key, after the pid
 
 
 class DistributedType(str, enum.Enum):
@@ -44,7 +52,7 @@ class DistributedType(str, enum.Enum):
     NO = "NO"  # one process, no process group
     MULTI_CPU = "MULTI_CPU"  # several processes, gloo
     MULTI_GPU = "MULTI_GPU"  # several processes, one CUDA device each, nccl
-    XLA = "XLA"  # TPU through torch_xla: a hook only, see _init_xla
+    XLA = "XLA"  # XLA devices (TPU) through torch_xla, one thread per device
 
 
 def _env_int(name: str, default: int) -> int:
@@ -56,27 +64,48 @@ def _launch_key() -> tuple:
     return (os.getpid(),) + tuple(os.environ.get(name) for name in _LAUNCH_VARIABLES)
 
 
-def _wants_xla() -> bool:
-    # Only an explicit request selects XLA; torch_xla being installed is not enough.
-    return os.environ.get("NBLAUNCH_DISTRIBUTED_TYPE", "").upper() == "XLA" or (
-        os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
-    )
+def xla_requested() -> bool:
+    """True when this rank trains on XLA: inside an XLA launch (``NBLAUNCH_XLA=1``), or when
+    asked for explicitly (``PJRT_DEVICE=TPU``, ``NBLAUNCH_DISTRIBUTED_TYPE=XLA``).
 
-
-def _init_xla(state: "PartialState") -> None:
-    """The XLA/TPU branch. Left as a hook: TPU support is a separate piece of work.
-
-    It must set ``process_index``, ``local_process_index``, ``num_processes``, ``device``
-    (``torch_xla.core.xla_model.xla_device()``) and initialise the ``xla`` backend.
+    torch_xla being installed is not enough, and ``PJRT_DEVICE=CPU`` alone is not a request.
     """
-    raise NotImplementedError(
-        "TPU/XLA training is not supported by nblaunch.training yet (PJRT_DEVICE=TPU or "
-        "NBLAUNCH_DISTRIBUTED_TYPE=XLA was set). Unset it to train on CPU or CUDA."
-    )
+    environ = os.environ
+    return (environ.get("NBLAUNCH_XLA") == "1"
+            or environ.get("NBLAUNCH_DISTRIBUTED_TYPE", "").upper() == "XLA"
+            or environ.get("PJRT_DEVICE", "").upper() == "TPU")
+
+
+class _ThreadState(threading.local):
+    """The calling thread's state dict, for XLA, where each device thread is its own rank."""
+
+    shared: dict[str, Any] | None = None
+
+
+_thread_state = _ThreadState()
+
+
+def _thread_dict() -> dict[str, Any]:
+    shared = _thread_state.shared
+    if shared is None:
+        shared = _thread_state.shared = {}
+    return shared
+
+
+def _uses_xla(cpu: bool) -> bool:
+    if not xla_requested():
+        return False
+    if not cpu:
+        return True
+    if os.environ.get("NBLAUNCH_XLA") == "1":
+        raise ValueError("cpu=True inside an XLA launch: every rank there is an XLA device. "
+                         "Launch with start_method='fork' to train on the CPU.")
+    return False  # asked for outside a launch: the CPU wins, as in Accelerate
 
 
 class PartialState:
-    """The distributed state of this process, shared by every instance in the process.
+    """The distributed state of this process (of this thread on XLA), shared by every instance
+    there.
 
     Args:
         cpu: train on the CPU (gloo) even if CUDA is available. ``NBLAUNCH_FORCE_CPU=1`` (set by
@@ -90,16 +119,28 @@ class PartialState:
 
     If a process group already exists (one a cluster engine created), it is adopted: its rank and
     size are used, and :func:`reset_process_state` leaves it alone.
+
+    On XLA (see :func:`xla_requested`) ``distributed_type`` is ``XLA`` whatever the number of
+    devices, ``device`` is the thread's XLA device, and no process group is made: collectives go
+    through XLA.
     """
 
     _shared_state: dict[str, Any] = {}
 
     def __init__(self, cpu: bool = False, backend: str | None = None,
                  timeout: timedelta | None = None, **kwargs: Any) -> None:
-        self.__dict__ = self._shared_state
-        cpu = bool(cpu) or os.environ.get("NBLAUNCH_FORCE_CPU", "") not in ("", "0")
-        if self._shared_state.get("_initialized"):
-            if self._key == _launch_key() and (self._cpu == cpu or self._cpu_irrelevant(cpu)):
+        key = _launch_key()
+        cpu = bool(cpu) or key[_FORCE_CPU_AT] not in (None, "", "0")
+        shared = self._shared_state
+        # The process's state, built here under the same variables, is never an XLA one: only
+        # without it are the XLA variables read (so the CPU/CUDA path reads nothing more).
+        # Asking for XLA in a process that already has a CPU state needs reset_process_state().
+        on_xla = not (shared.get("_initialized") and shared["_key"] == key) and _uses_xla(cpu)
+        if on_xla:
+            shared = _thread_dict()
+        self.__dict__ = shared
+        if shared.get("_initialized"):
+            if self._key == key and (self._cpu == cpu or self._cpu_irrelevant(cpu)):
                 return
             if self._owns_group and dist.is_initialized() and self._key[0] == os.getpid():
                 raise RuntimeError(
@@ -109,12 +150,15 @@ class PartialState:
                 )
             # Stale: inherited through fork or built under other launch variables; nothing of
             # it can be used here, and the group (if any) is not ours to destroy in this pid.
-            self._shared_state.clear()
-        self._build(cpu, backend, timeout)
+            shared.clear()
+        if on_xla:
+            self._build_xla(key)
+        else:
+            self._build(key, cpu, backend, timeout)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for missing attributes: after reset_process_state() everything is missing.
-        if not name.startswith("__") and not self._shared_state.get("_initialized"):
+        if not name.startswith("__") and not self.__dict__.get("_initialized"):
             raise RuntimeError(
                 f"PartialState.{name}: the process state was reset (reset_process_state()); "
                 "create a new Accelerator or PartialState")
@@ -126,13 +170,18 @@ class PartialState:
         # Asking for the CPU changes nothing where there is no CUDA device anyway.
         return self.device.type == "cpu" and (cpu or not torch.cuda.is_available())
 
-    def _build(self, cpu: bool, backend: str | None, timeout: timedelta | None) -> None:
-        s = self._shared_state
+    def _build_xla(self, key: tuple) -> None:
+
+        s = self.__dict__
+        s.update(xla.rank_state())
+        s.update(_cpu=False, _owns_group=False, _key=key, backend="xla",
+                 distributed_type=DistributedType.XLA, _initialized=True)
+
+    def _build(self, key: tuple, cpu: bool, backend: str | None, timeout: timedelta | None) -> None:
+        s = self.__dict__
         s["_cpu"] = cpu
         s["_owns_group"] = False
-        s["_key"] = _launch_key()
-        if _wants_xla():
-            _init_xla(self)
+        s["_key"] = key
         use_cuda = not cpu and torch.cuda.is_available()
         if dist.is_available() and dist.is_initialized():
             # Adopt the group someone else made; local rank from the environment if given.
@@ -179,7 +228,7 @@ class PartialState:
 
     @property
     def initialized(self) -> bool:
-        return bool(self._shared_state.get("_initialized"))
+        return bool(self.__dict__.get("_initialized"))
 
     @property
     def use_distributed(self) -> bool:
@@ -211,8 +260,11 @@ class PartialState:
     # -- synchronisation ------------------------------------------------------------------------
 
     def wait_for_everyone(self) -> None:
-        """Block until every process reaches this point (a barrier); no-op with one process."""
-        if self.num_processes > 1:
+        """Block until every process reaches this point (a barrier); no-op with one process
+        (on XLA always an ``xm.rendezvous``)."""
+        if self.distributed_type is DistributedType.XLA:
+            xla.barrier("nblaunch.wait_for_everyone")
+        elif self.num_processes > 1:
             if self.backend == "nccl":
                 dist.barrier(device_ids=[self.device.index])
             else:
@@ -342,7 +394,8 @@ def _split(inputs: Any, index: int, count: int, apply_padding: bool) -> Any:
 
 
 def reset_process_state() -> None:
-    """Forget this process's distributed state; destroy the process group if nblaunch made it.
+    """Forget this process's distributed state (and the calling thread's XLA state); destroy the
+    process group if nblaunch made it.
 
     A group that was adopted (created by someone else) is left alone. Safe to call at any time,
     also when nothing was ever initialised. The launcher calls it for in-process launches; tests
@@ -353,3 +406,5 @@ def reset_process_state() -> None:
             and dist.is_available() and dist.is_initialized()):
         dist.destroy_process_group()
     s.clear()
+    if _thread_state.shared is not None:
+        _thread_state.shared.clear()

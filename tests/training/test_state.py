@@ -90,9 +90,9 @@ def test_reset_destroys_owned_group_and_keeps_adopted_one(launch):
         assert r["adopted"] == (True, 2, rank, [0, 1])
 
 
-def test_xla_is_a_clear_hook(monkeypatch):
+def test_xla_without_torch_xla_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    with pytest.raises(NotImplementedError, match="TPU"):
+    with pytest.raises(RuntimeError, match="torch_xla cannot be imported"):
         PartialState()
     monkeypatch.delenv("PJRT_DEVICE")
     assert PartialState().distributed_type is DistributedType.NO
