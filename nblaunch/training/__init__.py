@@ -11,6 +11,13 @@ Example::
         ...
 """
 
+from nblaunch.launch.preimport import import_for_ranks
+
+# The first optimizer (or DDP) a process builds imports torch._dynamo: about a second of CPU. Done
+# here, it costs that second once, in the cell that imports the Accelerator; forked ranks inherit
+# it, and a kernel's first launch reaches its first training step in milliseconds.
+import_for_ranks("torch._dynamo")
+
 from nblaunch.training.accelerator import (Accelerator, AutocastKwargs, DataLoaderConfiguration,
                                            DistributedDataParallelKwargs, GradientAccumulationPlugin,
                                            GradScalerKwargs)
