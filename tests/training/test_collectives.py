@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from nblaunch.training import Accelerator, PartialState
+from nblaunch.training import Accelerator
 from nblaunch.training.ops import ShapeMismatchError
 
 

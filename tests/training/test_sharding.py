@@ -5,7 +5,6 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from nblaunch.training.data import IterableDatasetShard, ShardedBatchSampler
-from nblaunch.training.state import GradientState
 
 
 def shards(n, bs, P, drop_last=False, **kw):

@@ -1,6 +1,5 @@
 """Per-process state: defaults, reset, adoption, and Accelerators made in the notebook itself."""
 
-import os
 
 import pytest
 import torch
