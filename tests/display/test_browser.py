@@ -1,4 +1,4 @@
-"""The dashboard in a real browser: JupyterLab 4 in headless Chromium, driven by Playwright.
+"""The dashboard in a real browser: JupyterLab 4 and Notebook 7 in headless Chromium, driven by Playwright.
 
 Runs notebooks/widget_demo.ipynb and checks the rendered page: both ranks' rows reach "done",
 a progress bar is seen part-way, the loss chart has its points, the static summary is there.
@@ -76,6 +76,7 @@ def lab(tmp_path_factory):
             sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
             "--LabApp.expose_app_in_browser=True",
+            "--JupyterNotebookApp.expose_app_in_browser=True",  # Notebook 7, served by the same server
             *(["--allow-root"] if os.geteuid() == 0 else []),  # CI containers often run as root
         ],
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -166,4 +167,31 @@ def test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab(lab, browser
     page.locator(".nbl-summary").scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "widget_demo_summary.png"), full_page=True)
     assert not errors, errors
+    page.close()
+
+
+KERNEL_IDLE = (
+    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+    " && window.jupyterapp.shell.currentWidget.sessionContext"
+    " && window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'"
+)
+
+
+def test_the_dashboard_renders_and_follows_the_launch_in_notebook_7(lab, browser):
+    pytest.importorskip("notebook", minversion="7")
+    base, token, _ = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1280, "height": 1100})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{base}/notebooks/{NOTEBOOK.name}?token={token}")
+    page.wait_for_function(KERNEL_IDLE, timeout=120_000)
+    before = len(errors)  # Notebook 7's own page raises one settings error on load; not ours
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    page.wait_for_function(RANKS_DONE, timeout=120_000)
+    page.wait_for_function(SUMMARY_DONE, timeout=60_000)
+    assert dict(page.evaluate(CHART_POINTS)) == {"rank 0": 40, "rank 1": 40}
+    assert "done" in page.locator(".nblaunch-dashboard .nbl-header").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "widget_demo_notebook7.png"), full_page=True)
+    assert errors[before:] == [], errors[before:]
     page.close()
