@@ -22,6 +22,10 @@ STACKS = b"S"  # utf-8 text: every thread's stack
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args, settings)
 DUMP_STACKS = b"D"  # empty body: please answer with a STACKS frame
 
+# In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
+# (SHARED_STORAGE, launcher pid, fd, size, dtype). See nblaunch.launch.pickling.package.
+SHARED_STORAGE = "nblaunch.shared-storage"
+
 
 def encode(kind: bytes, body: bytes = b"") -> bytes:
     return HEADER.pack(kind, len(body)) + body

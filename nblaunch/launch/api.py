@@ -18,7 +18,7 @@ import cloudpickle
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import Display, Event, LaunchFinished, LaunchStarted, RankFinished, RankStarted, RankState
 from nblaunch.launch import pickling, registry
-from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.plan import LaunchPlan, make_plan
 from nblaunch.launch.preimport import import_for_ranks
@@ -77,8 +77,6 @@ def notebook_launcher(
         [0, 10]
     """
     if not isinstance(block, bool):
-        from nblaunch.launch.errors import LaunchConfigError
-
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
     plan = make_plan(
         function, args, num_processes, mixed_precision, use_port, master_addr,
@@ -248,15 +246,8 @@ class Launch:
             outcome = results
             return results
         except BaseException as error:
-            for w in workers:  # normally reaped by the supervisor; not if starting failed midway
-                w.kill()
-                w.wait()
-                w.close()
-            finished = _finished_event(error, started)
-            self._status = {
-                RankFailedError: "failed", LaunchTimeoutError: "timed out",
-                LaunchCancelledError: "cancelled", KeyboardInterrupt: "interrupted",
-            }.get(type(error), "failed")
+            _kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
+            self._status, finished = _ending(error, time.monotonic() - started)
             self._emit(finished)
             outcome = error
             raise
@@ -271,21 +262,31 @@ class Launch:
                 self._future.set_result(outcome)
 
 
-def _finished_event(error: BaseException, started: float) -> LaunchFinished:
-    elapsed = time.monotonic() - started
+def _ending(error: BaseException, elapsed: float) -> tuple[str, LaunchFinished]:
+    """How a launch that raised ``error`` ended: its ``Launch.status`` and its last event."""
     if isinstance(error, RankFailedError):
         root = error.root_cause
         summary = f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}"
-        return LaunchFinished(RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank, summary=summary)
+        return "failed", LaunchFinished(
+            RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank, summary=summary
+        )
     if isinstance(error, LaunchTimeoutError):
+        status = "timed out"
         summary = f"timed out after {elapsed:.2f} s (timeout={error.timeout:g}); every rank was stopped"
     elif isinstance(error, KeyboardInterrupt):
-        summary = f"interrupted after {elapsed:.2f} s; every rank was stopped"
+        status, summary = "interrupted", f"interrupted after {elapsed:.2f} s; every rank was stopped"
     elif isinstance(error, LaunchCancelledError):
-        summary = f"cancelled after {elapsed:.2f} s; every rank was stopped"
+        status, summary = "cancelled", f"cancelled after {elapsed:.2f} s; every rank was stopped"
     else:
-        summary = f"the launch failed after {elapsed:.2f} s: {error!r}"
-    return LaunchFinished(RankState.STOPPED, elapsed, error=error, summary=summary)
+        status, summary = "failed", f"the launch failed after {elapsed:.2f} s: {error!r}"
+    return status, LaunchFinished(RankState.STOPPED, elapsed, error=error, summary=summary)
+
+
+def _kill_and_reap(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        worker.kill()
+        worker.wait()
+        worker.close()
 
 
 def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[WorkerProcess]:
@@ -311,10 +312,7 @@ def _start_workers(plan: LaunchPlan, function: Callable, args: tuple) -> list[Wo
             else:
                 workers.append(start_spawned(settings, packed, dict(os.environ, **settings.environ)))
         except BaseException:
-            for w in workers:
-                w.kill()
-                w.wait()
-                w.close()
+            _kill_and_reap(workers)
             raise
     return workers
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import cloudpickle
 
+from nblaunch import wire
 from nblaunch.launch.errors import LaunchConfigError
 
 
@@ -149,7 +150,6 @@ def check_picklable(function: Callable, args: tuple) -> None:
 # because the launcher keeps one fd open per shared storage.
 _SHARE_MIN_BYTES = 1 << 20
 _SHARE_MAX_STORAGES = 256
-SHARED_STORAGE_TAG = "nblaunch.shared-storage"
 
 
 class _SharingPickler(cloudpickle.Pickler):
@@ -177,7 +177,7 @@ class _SharingPickler(cloudpickle.Pickler):
         except Exception:  # shared some other way (file_system strategy), or not shareable
             return None
         self._shared += 1
-        return (SHARED_STORAGE_TAG, os.getpid(), fd, size, dtype)
+        return (wire.SHARED_STORAGE, os.getpid(), fd, size, dtype)
 
 
 def package(function: Callable, args: tuple) -> bytes:

@@ -17,7 +17,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NoReturn
 
 import nblaunch
 from nblaunch import wire
@@ -167,11 +167,13 @@ def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) 
     )
 
 
-def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:
-    """Fork one rank. The child shares the parent's memory (data sets are not copied)."""
-    pipes = _Pipes.open()
+def _fork(ranks: dict[int, _Pipes], child: Callable[[list[int]], NoReturn]) -> WorkerProcess:
+    """Fork a process that hosts ``ranks``; in it, ``child(launcher_fds)`` runs and never returns.
+
+    ``launcher_fds`` are the launcher's ends of every live launch's pipes, for the child to close.
+    """
     with _LAUNCHER_FDS_LOCK:
-        to_close = sorted(_LAUNCHER_FDS) + pipes.launcher_ends
+        launcher_fds = sorted(_LAUNCHER_FDS) + [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
     with warnings.catch_warnings():
         # Python 3.12+ warns about fork in a threaded process; a Jupyter kernel always has
         # threads. The child runs only our bootstrap and the user's function, which is the
@@ -179,7 +181,20 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
-        run_forked(
+        child(launcher_fds)
+    try:
+        os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
+    except OSError:
+        pass
+    return _handle(pid, ranks, popen=None)
+
+
+def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:
+    """Fork one rank. The child shares the parent's memory (data sets are not copied)."""
+    pipes = _Pipes.open()
+    return _fork(
+        {settings.rank: pipes},
+        lambda launcher_fds: run_forked(
             settings,
             function,
             args,
@@ -187,13 +202,9 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
             stderr_fd=pipes.stderr[1],
             event_fd=pipes.events[1],
             control_fd=pipes.control[0],
-            launcher_fds=to_close,
-        )
-    try:
-        os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
-    except OSError:
-        pass
-    return _handle(pid, {settings.rank: pipes}, popen=None)
+            launcher_fds=launcher_fds,
+        ),
+    )
 
 
 def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
@@ -202,22 +213,9 @@ def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: i
     # Importing does not start the XLA runtime (using a device would).
     environ = dict(import_for_ranks("torch_xla.distributed.xla_multiprocessing"), **environ)
     ranks = {rank: _Pipes.open() for rank in range(num_ranks)}
-    with _LAUNCHER_FDS_LOCK:
-        to_close = sorted(_LAUNCHER_FDS) + [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
+    ends = {rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()}
     parent = os.getpid()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # see start_forked
-        pid = os.fork()
-    if pid == 0:
-        ends = {
-            rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()
-        }
-        run_host(environ, parent, packed_function, ends, to_close)
-    try:
-        os.setpgid(pid, pid)
-    except OSError:
-        pass
-    return _handle(pid, ranks, popen=None)
+    return _fork(ranks, lambda launcher_fds: run_host(environ, parent, packed_function, ends, launcher_fds))
 
 
 def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dict[str, str]) -> WorkerProcess:

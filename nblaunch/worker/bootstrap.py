@@ -64,17 +64,29 @@ def run_forked(
 ) -> NoReturn:
     """Entry point in a freshly forked child. Never returns into the launcher's code."""
     try:
-        os.setpgid(0, 0)
-        lifeline.die_with_parent(settings.parent_pid)
-        for fd in launcher_fds:  # the parent's ends of every rank's pipes: holding them would hide EOFs
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        settle_forked_child(settings.parent_pid, launcher_fds)
         _attach_streams(stdout_fd, stderr_fd)
         _run(settings, function, args, event_fd, control_fd)
     finally:
         os._exit(70)
+
+
+def settle_forked_child(parent_pid: int, launcher_fds: list[int]) -> None:
+    """First steps of any process the launcher forks: a process group of its own, death with
+    the launcher, and none of the launcher's pipe ends (holding them would hide EOFs)."""
+    os.setpgid(0, 0)
+    lifeline.die_with_parent(parent_pid)
+    for fd in launcher_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def line_stream(fd: int):
+    """A text stream on ``fd`` that flushes at every line: a rank that dies loses at most a
+    partial line."""
+    return open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
 
 
 def main_spawned(argv: list[str]) -> NoReturn:
@@ -101,7 +113,7 @@ class _PayloadUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         tag, owner, fd, size, dtype = pid
-        if tag != "nblaunch.shared-storage":
+        if tag != wire.SHARED_STORAGE:
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         untyped = self._storages.get((owner, fd))
         if untyped is None:
@@ -148,8 +160,7 @@ def _attach_streams(stdout_fd: int, stderr_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    new_out = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-    new_err = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    new_out, new_err = line_stream(1), line_stream(2)
     replacement = {
         id(sys.stdout): new_out, id(sys.__stdout__): new_out,
         id(sys.stderr): new_err, id(sys.__stderr__): new_err,

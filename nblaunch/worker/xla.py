@@ -70,10 +70,6 @@ class _ThreadRoutedStream(io.TextIOBase):
         return "utf-8"
 
 
-def _line_stream(fd: int) -> io.TextIOBase:
-    return open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-
-
 def run_host(
     environ: dict[str, str],
     parent_pid: int,
@@ -83,13 +79,7 @@ def run_host(
 ) -> NoReturn:
     """Entry point of the forked host process. Never returns into the launcher's code."""
     try:
-        os.setpgid(0, 0)
-        lifeline.die_with_parent(parent_pid)
-        for fd in launcher_fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        bootstrap.settle_forked_child(parent_pid, launcher_fds)
         first = ranks[min(ranks)]
         bootstrap._attach_streams(os.dup(first.stdout), os.dup(first.stderr))
         os.environ.update(environ)
@@ -128,8 +118,8 @@ class DeviceEntry:
         ends = self.ranks[rank]
         self._set_up_process(first_rank=rank)
         channel.open_channel(ends.events, rank, this_thread_only=True)
-        DeviceEntry._router.bind(_line_stream(ends.stdout))
-        DeviceEntry._router_err.bind(_line_stream(ends.stderr))
+        DeviceEntry._router.bind(bootstrap.line_stream(ends.stdout))
+        DeviceEntry._router_err.bind(bootstrap.line_stream(ends.stderr))
         function, args = cloudpickle.loads(self.packed_function)
         bootstrap.serve(function, args, ends.control, ends.events)
         bootstrap.flush_streams()
