@@ -111,10 +111,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.last_round_real = -1
         skip, self.skip = self.skip, 0
         fast = type(self.batch_sampler) is BatchSampler and self.batch_size is not None
+        P, B = self.num_processes, self.batch_size
         if self.split_batches:
-            source = self._iter_split_flat() if fast else self._iter_split()
+            source = self._iter_flat(B, B // P) if fast else self._iter_split()
         else:
-            source = self._iter_rounds_flat() if fast else self._iter_rounds()
+            source = self._iter_flat(P * B, B) if fast else self._iter_rounds()
         if skip:
             for _ in range(skip):
                 if next(source, None) is None:
@@ -182,39 +183,22 @@ class ShardedBatchSampler(Sampler[list[int]]):
             head = head + head
         return head[:count]
 
-    def _iter_rounds_flat(self) -> Iterator[list[int]]:
-        P, B = self.num_processes, self.batch_size
+    def _iter_flat(self, step: int, take: int) -> Iterator[list[int]]:
+        """Fast path for torch's own BatchSampler, slicing the epoch's index list: of every
+        ``step`` indices, rank r takes the ``take`` at offset ``r * take``. Without split_batches a
+        step is a round of P batches of B; with it, one batch of B split into P pieces."""
         indices = self._epoch_indices()
-        per_round = P * B
-        full_rounds, rest = divmod(len(indices), per_round)
-        start = self.process_index * B
-        for base in range(start, full_rounds * per_round, per_round):
-            yield indices[base: base + B]
+        full, rest = divmod(len(indices), step)
+        start = self.process_index * take
+        for base in range(start, full * step, step):
+            yield indices[base: base + take]
         if not rest or self.drop_last:
             return
-        tail = indices[full_rounds * per_round:]
-        if self.even_batches and indices:
-            tail = tail + self._head(indices, per_round - rest)
+        tail = indices[full * step:]
+        if self.even_batches:  # indices is not empty here: rest > 0
+            tail = tail + self._head(indices, step - rest)
             self.last_round_real = rest
-        part = tail[start: start + B]
-        if part:
-            yield part
-
-    def _iter_split_flat(self) -> Iterator[list[int]]:
-        P, B = self.num_processes, self.batch_size
-        indices = self._epoch_indices()
-        piece = B // P
-        full, rest = divmod(len(indices), B)
-        start = self.process_index * piece
-        for base in range(start, full * B, B):
-            yield indices[base: base + piece]
-        if not rest or self.drop_last:
-            return
-        tail = indices[full * B:]
-        if self.even_batches:
-            tail = tail + self._head(indices, B - rest)
-            self.last_round_real = rest
-        part = tail[start: start + piece]
+        part = tail[start: start + take]
         if part:
             yield part
 
