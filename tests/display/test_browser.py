@@ -133,6 +133,11 @@ NEWEST_LOG_LINE_VISIBLE = """() => {
         && Math.abs(pre.getBoundingClientRect().bottom - box.getBoundingClientRect().bottom) < 3;
 }"""
 SUMMARY_DONE = "() => document.querySelector('.nbl-summary[data-state=\"done\"]') !== null"
+KERNEL_IDLE = (
+    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+    " && window.jupyterapp.shell.currentWidget.sessionContext"
+    " && window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'"
+)
 
 
 def test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab(lab, browser):
@@ -142,12 +147,7 @@ def test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab(lab, browser
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
-    page.wait_for_function(
-        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-        " && window.jupyterapp.shell.currentWidget.sessionContext"
-        " && window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
-        timeout=120_000,
-    )
+    page.wait_for_function(KERNEL_IDLE, timeout=120_000)
     # Not awaited: the command's promise settles only once every cell has run.
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
@@ -168,13 +168,6 @@ def test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab(lab, browser
     page.screenshot(path=str(ARTIFACTS / "widget_demo_summary.png"), full_page=True)
     assert not errors, errors
     page.close()
-
-
-KERNEL_IDLE = (
-    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-    " && window.jupyterapp.shell.currentWidget.sessionContext"
-    " && window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'"
-)
 
 
 def test_the_dashboard_renders_and_follows_the_launch_in_notebook_7(lab, browser):
