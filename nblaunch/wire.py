@@ -33,12 +33,14 @@ def encode(kind: bytes, body: bytes = b"") -> bytes:
 
 def write_frame(fd: int, kind: bytes, body: bytes = b"") -> None:
     """Write one whole frame to a blocking file descriptor."""
-    _write_all(fd, memoryview(HEADER.pack(kind, len(body))))
+    write_all(fd, HEADER.pack(kind, len(body)))
     if body:
-        _write_all(fd, memoryview(body))
+        write_all(fd, body)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a blocking file descriptor."""
+    view = memoryview(data)
     while view:
         written = os.write(fd, view)
         view = view[written:]

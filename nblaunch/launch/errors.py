@@ -48,6 +48,7 @@ class RankFailure:
     signal_name: str | None = None
     collateral: bool = False  # a communication error that another rank's failure likely caused
     log_tail: list[str] = field(default_factory=list)  # last lines of its output, for crashes
+    hint: str = ""  # what to do about it, where nblaunch knows
 
 
 class RankFailedError(RuntimeError):
@@ -79,6 +80,8 @@ class RankFailedError(RuntimeError):
         lines = [f"rank {first.rank} failed: {first.reason}"]
         if first.traceback:
             lines += ["", first.traceback.rstrip()]
+        if first.hint:
+            lines += ["", first.hint]
         if first.log_tail:
             lines += ["", f"last lines of rank {first.rank}:"] + [f"  {t}" for t in first.log_tail]
         for other in self.failures[1:]:

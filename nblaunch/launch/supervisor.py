@@ -273,7 +273,7 @@ class Supervisor:
         failure.exitcode = code
         if not rank.report_complete:
             failure.reason += " (stopped before it could send its traceback)"
-        detail = failure.reason + ("\n" + failure.traceback if failure.traceback else "")
+        detail = "\n".join(filter(None, [failure.reason, failure.traceback.rstrip(), failure.hint]))
         self._emit(RankFinished(rank=rank.number, state=RankState.FAILED, detail=detail, exitcode=code))
 
     # ----------------------------------------------------------------------------- stopping
@@ -354,6 +354,7 @@ def _failure_from_report(rank: int, report: dict) -> RankFailure:
         exception=exception,
         traceback=report["traceback"],
         collateral=report["collateral"],
+        hint=report.get("hint", ""),
     )
 
 
@@ -366,4 +367,7 @@ def _failure_from_exit(rank: int, code: int, tail: list[str]) -> RankFailure:
         return RankFailure(rank, reason, exitcode=code, signal_name=name, log_tail=tail)
     if code == 0:
         return RankFailure(rank, "exited with code 0 without returning (os._exit in the function?)", exitcode=code, log_tail=tail)
-    return RankFailure(rank, f"exited with code {code}", exitcode=code, log_tail=tail)
+    reason = f"exited with code {code}"
+    if not tail:
+        reason += " without a report and without writing anything"
+    return RankFailure(rank, reason, exitcode=code, log_tail=tail)

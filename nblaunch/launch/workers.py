@@ -181,12 +181,22 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[list[int]], NoReturn]) -> W
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
+        _forget_launcher_fds()
         child(launcher_fds)
     try:
         os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
     except OSError:
         pass
     return _handle(pid, ranks, popen=None)
+
+
+def _forget_launcher_fds() -> None:
+    """In a forked child: the launcher's pipe ends it inherited are closed by ``child``, and
+    their numbers will be reused by the child's own files. A launch made inside the child must
+    not close those again, nor wait on a lock that another launcher thread held at the fork."""
+    global _LAUNCHER_FDS_LOCK
+    _LAUNCHER_FDS.clear()
+    _LAUNCHER_FDS_LOCK = threading.Lock()
 
 
 def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:

@@ -5,20 +5,19 @@ interrupt does), die with the parent, write to plain file descriptors the parent
 child of a Jupyter kernel would otherwise write into the kernel's stream objects, where output
 vanishes), set the rank's environment, answer stack-dump requests, run the function, send back
 its result or its exception, and leave with ``os._exit`` (never the parent's atexit hooks).
+Whatever fails around the user's function is reported to the launcher too (``RankGuard``).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import io
-import logging
 import os
 import pickle
 import signal
 import sys
 import _thread
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
@@ -26,8 +25,10 @@ from typing import Any, Callable, NoReturn
 import cloudpickle
 
 from nblaunch import wire
-from nblaunch.worker import channel, lifeline
+from nblaunch.worker import channel, lifeline, reports
 from nblaunch.worker.progress import install_tqdm_hook
+from nblaunch.worker.reports import RankGuard, describe, send_failure
+from nblaunch.worker.streams import attach_streams, flush_streams
 
 
 @dataclass
@@ -39,16 +40,6 @@ class WorkerSettings:
     threads: int | None  # intra-op threads, or None to leave the user's choice alone
     parent_pid: int
     sys_path: list[str]
-
-
-# Text in messages of errors that a rank gets because a peer died, not because of its own bug.
-_PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "Socket Timeout",
-)
 
 
 def run_forked(
@@ -64,11 +55,20 @@ def run_forked(
 ) -> NoReturn:
     """Entry point in a freshly forked child. Never returns into the launcher's code."""
     try:
-        settle_forked_child(settings.parent_pid, launcher_fds)
-        _attach_streams(stdout_fd, stderr_fd)
-        _run(settings, function, args, event_fd, control_fd)
+        with RankGuard(event_fd, stderr_fd) as guard:
+            guard.step = reports.JOINING
+            settle_forked_child(settings.parent_pid, launcher_fds)
+            guard.step = reports.ATTACHING
+            attach_streams(stdout_fd, stderr_fd)
+            guard.stderr_fd = 2
+            guard.step = reports.SETTING_UP
+            _set_up_rank(settings, event_fd)
+            guard.step = reports.REPORTING
+            code = serve(function, args, control_fd, event_fd)
+            flush_streams()
+        os._exit(code)
     finally:
-        os._exit(70)
+        os._exit(70)  # reached only if the guard itself could not end the rank
 
 
 def settle_forked_child(parent_pid: int, launcher_fds: list[int]) -> None:
@@ -83,22 +83,26 @@ def settle_forked_child(parent_pid: int, launcher_fds: list[int]) -> None:
             pass
 
 
-def line_stream(fd: int):
-    """A text stream on ``fd`` that flushes at every line: a rank that dies loses at most a
-    partial line."""
-    return open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-
-
 def main_spawned(argv: list[str]) -> NoReturn:
     """Entry point of ``python -m nblaunch.worker CONTROL_FD EVENT_FD PARENT_PID``."""
     try:
-        control_fd, event_fd, parent_pid = (int(a) for a in argv)
-        lifeline.die_with_parent(parent_pid)
-        _attach_streams(1, 2)
-        settings, packed = pickle.loads(_read_payload(control_fd))
-        sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
-        function, args = load_payload(packed)
-        _run(settings, function, args, event_fd, control_fd)
+        with RankGuard(None, 2) as guard:
+            guard.step = reports.JOINING
+            control_fd, event_fd, parent_pid = (int(a) for a in argv)
+            guard.event_fd = event_fd
+            lifeline.die_with_parent(parent_pid)
+            guard.step = reports.ATTACHING
+            attach_streams(1, 2)
+            guard.step = reports.LOADING
+            settings, packed = pickle.loads(_read_payload(control_fd))
+            sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
+            function, args = load_payload(packed)
+            guard.step = reports.SETTING_UP
+            _set_up_rank(settings, event_fd)
+            guard.step = reports.REPORTING
+            code = serve(function, args, control_fd, event_fd)
+            flush_streams()
+        os._exit(code)
     finally:
         os._exit(70)
 
@@ -149,35 +153,7 @@ def _read_payload(control_fd: int) -> bytes:
                 return body
 
 
-def _attach_streams(stdout_fd: int, stderr_fd: int) -> None:
-    """Point fds 1/2 and sys.stdout/stderr (and logging handlers using them) at the parent's pipes."""
-    if stdout_fd != 1:
-        os.dup2(stdout_fd, 1)
-        os.close(stdout_fd)
-    if stderr_fd != 2:
-        os.dup2(stderr_fd, 2)
-        os.close(stderr_fd)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    new_out, new_err = line_stream(1), line_stream(2)
-    replacement = {
-        id(sys.stdout): new_out, id(sys.__stdout__): new_out,
-        id(sys.stderr): new_err, id(sys.__stderr__): new_err,
-    }
-    for logger in [logging.getLogger()] + [
-        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
-    ]:
-        for handler in logger.handlers:
-            stream = getattr(handler, "stream", None)
-            if isinstance(handler, logging.StreamHandler) and id(stream) in replacement:
-                handler.setStream(replacement[id(stream)])
-    sys.stdin = open(os.devnull)
-    sys.stdout = sys.__stdout__ = new_out
-    sys.stderr = sys.__stderr__ = new_err
-
-
-def _run(settings: WorkerSettings, function: Callable, args: tuple, event_fd: int, control_fd: int) -> NoReturn:
+def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     os.environ.update(settings.environ)
     lifeline.set_process_name(str(settings.rank))
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -188,9 +164,6 @@ def _run(settings: WorkerSettings, function: Callable, args: tuple, event_fd: in
             torch.set_num_threads(settings.threads)
     channel.open_channel(event_fd, settings.rank)
     prepare_process()
-    code = serve(function, args, control_fd, event_fd)
-    flush_streams()
-    os._exit(code)
 
 
 def prepare_process() -> None:
@@ -214,25 +187,17 @@ def serve(function: Callable, args: tuple, control_fd: int, event_fd: int) -> in
         if exit_request.code in (None, 0):
             _send_result(None)
             return 0
-        _send_failure(exit_request, f"called sys.exit({exit_request.code!r})")
+        send_failure(exit_request, f"called sys.exit({exit_request.code!r})")
         return 1
     except BaseException as error:
-        _send_failure(error)
+        send_failure(error)
         return 1
     try:
         _send_result(result)
     except Exception as error:
-        _send_failure(error, f"returned a {type(result).__name__} that cannot be sent back: {error}")
+        send_failure(error, f"returned a {type(result).__name__} that cannot be sent back: {describe(error)}")
         return 1
     return 0
-
-
-def flush_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 def _send_result(result: Any) -> None:
@@ -241,43 +206,6 @@ def _send_result(result: Any) -> None:
     except Exception:  # classes and lambdas defined in a notebook need pickling by value
         body = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     channel.send(wire.RESULT, body)
-
-
-def _send_failure(error: BaseException, reason: str | None = None) -> None:
-    """Report a failure in two frames: what and when at once, then the traceback.
-
-    Formatting a traceback reads source files (linecache) and pickling runs arbitrary code;
-    either can stall (a disk under load was seen to). The first frame lets the launcher stop
-    the other ranks at once; it then waits a moment for the second.
-    """
-    report = {
-        "type": f"{type(error).__module__}.{type(error).__qualname__}",
-        "reason": reason or f"{type(error).__name__}: {error}",
-        "traceback": "",
-        "exception": None,
-        "time": time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
-        "collateral": _caused_by_peer(error),
-        "final": False,
-    }
-    channel.send(wire.ERROR, pickle.dumps(report))
-    report["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    try:
-        pickled = cloudpickle.dumps(error)
-        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
-        report["exception"] = pickled
-    except Exception:
-        pass
-    report["final"] = True
-    channel.send(wire.ERROR, pickle.dumps(report))
-
-
-def _caused_by_peer(error: BaseException) -> bool:
-    dist = sys.modules.get("torch.distributed")
-    dist_error = getattr(dist, "DistError", None) if dist is not None else None
-    if dist_error is not None and isinstance(error, dist_error):
-        return True
-    message = str(error)
-    return any(marker in message for marker in _PEER_GONE)
 
 
 def _watch_launcher(control_fd: int, event_fd: int) -> None:

@@ -24,7 +24,9 @@ from typing import NoReturn
 
 import cloudpickle
 
-from nblaunch.worker import bootstrap, channel, lifeline
+from nblaunch.worker import bootstrap, channel, lifeline, reports
+from nblaunch.worker.reports import RankGuard
+from nblaunch.worker.streams import attach_streams, flush_streams, line_stream
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,18 @@ def run_host(
     launcher_fds: list[int],
 ) -> NoReturn:
     """Entry point of the forked host process. Never returns into the launcher's code."""
+    first = ranks[min(ranks)]
     try:
-        bootstrap.settle_forked_child(parent_pid, launcher_fds)
-        first = ranks[min(ranks)]
-        bootstrap._attach_streams(os.dup(first.stdout), os.dup(first.stderr))
-        os.environ.update(environ)
-        lifeline.set_process_name("host")
-        import torch_xla.distributed.xla_multiprocessing as xmp
+        # A failure before xmp.spawn is reported as the first rank's.
+        with RankGuard(first.events, first.stderr) as guard:
+            bootstrap.settle_forked_child(parent_pid, launcher_fds)
+            guard.step = reports.ATTACHING
+            attach_streams(os.dup(first.stdout), os.dup(first.stderr))
+            guard.stderr_fd = 2
+            guard.step = reports.SETTING_UP
+            os.environ.update(environ)
+            lifeline.set_process_name("host")
+            import torch_xla.distributed.xla_multiprocessing as xmp
 
         code = 0
         try:
@@ -92,7 +99,7 @@ def run_host(
         except BaseException:  # a rank's own failure was already reported by its DeviceEntry
             traceback.print_exc()
             code = 1
-        bootstrap.flush_streams()
+        flush_streams()
         os._exit(code)
     finally:
         os._exit(70)
@@ -118,11 +125,16 @@ class DeviceEntry:
         ends = self.ranks[rank]
         self._set_up_process(first_rank=rank)
         channel.open_channel(ends.events, rank, this_thread_only=True)
-        DeviceEntry._router.bind(bootstrap.line_stream(ends.stdout))
-        DeviceEntry._router_err.bind(bootstrap.line_stream(ends.stderr))
-        function, args = cloudpickle.loads(self.packed_function)
+        DeviceEntry._router.bind(line_stream(ends.stdout))
+        DeviceEntry._router_err.bind(line_stream(ends.stderr))
+        try:
+            function, args = cloudpickle.loads(self.packed_function)
+        except BaseException as error:
+            reason = f"{reports.LOADING}: {reports.describe(error)}"
+            reports.send_failure(error, reason, hint=reports.hint_for(reports.LOADING))
+            return
         bootstrap.serve(function, args, ends.control, ends.events)
-        bootstrap.flush_streams()
+        flush_streams()
         # Return normally even after a failure: the launcher already knows, and stops the rest.
 
     def _set_up_process(self, first_rank: int) -> None:
@@ -133,7 +145,7 @@ class DeviceEntry:
             lifeline.set_process_name(str(first_rank))
             ends = self.ranks[first_rank]
             # C-level output of the process goes to the first rank that starts in it.
-            bootstrap._attach_streams(os.dup(ends.stdout), os.dup(ends.stderr))
+            attach_streams(os.dup(ends.stdout), os.dup(ends.stderr))
 
             DeviceEntry._router = _ThreadRoutedStream(sys.stdout)
             DeviceEntry._router_err = _ThreadRoutedStream(sys.stderr)

@@ -1,0 +1,162 @@
+"""How a rank tells the launcher that it failed, in its function or before it could run it.
+
+A report is a pickled dict on the event pipe (see ``_failure_from_report`` in the supervisor).
+Everything here must work whatever the exception does: its ``__str__`` may raise, it may not
+pickle, formatting its traceback reads source files that may be slow.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+from types import TracebackType
+from typing import Any
+
+import cloudpickle
+
+from nblaunch import wire
+from nblaunch.worker import channel
+
+# Text in messages of errors that a rank gets because a peer died, not because of its own bug.
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
+
+
+def describe(error: BaseException) -> str:
+    """``"ValueError: boom"``, even for an exception whose ``__str__`` raises."""
+    name = type(error).__name__
+    try:
+        text = str(error)
+    except BaseException as inner:
+        text = f"<its message could not be shown: str() raised {type(inner).__name__}>"
+    return f"{name}: {text}" if text else name
+
+
+def format_traceback(error: BaseException) -> str:
+    """The traceback as Python prints it; the frames alone if printing the message fails."""
+    try:
+        return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    except BaseException:
+        frames = "".join(traceback.format_tb(error.__traceback__))
+        return f"Traceback (most recent call last):\n{frames}{describe(error)}\n"
+
+
+def caused_by_peer(error: BaseException) -> bool:
+    """True for communication errors that another rank's death most likely caused."""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    message = describe(error)
+    return any(marker in message for marker in _PEER_GONE)
+
+
+def send_failure(error: BaseException, reason: str | None = None, *, hint: str = "", fd: int | None = None) -> None:
+    """Report a failure in two frames: what and when at once, then the traceback.
+
+    Formatting a traceback reads source files (linecache) and pickling runs arbitrary code;
+    either can stall (a disk under load was seen to). The first frame lets the launcher stop
+    the other ranks at once; it then waits a moment for the second.
+    """
+    report: dict[str, Any] = {
+        "type": f"{type(error).__module__}.{type(error).__qualname__}",
+        "reason": reason or describe(error),
+        "hint": hint,
+        "traceback": "",
+        "exception": None,
+        "time": time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
+        "collateral": caused_by_peer(error),
+        "final": False,
+    }
+    channel.send(wire.ERROR, pickle.dumps(report), fd=fd)
+    report["traceback"] = format_traceback(error)
+    try:
+        pickled = cloudpickle.dumps(error)
+        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
+        report["exception"] = pickled
+    except BaseException:
+        pass
+    report["final"] = True
+    channel.send(wire.ERROR, pickle.dumps(report), fd=fd)
+
+
+# What a rank is doing outside the user's function, as RankGuard's report says it.
+JOINING = "could not start (joining its process group)"
+ATTACHING = "could not start (attaching its output to the launcher)"
+LOADING = "could not start (loading the function and its arguments)"
+SETTING_UP = "could not start (setting up the rank)"
+REPORTING = "failed outside the function (sending its outcome back)"
+
+# What the user can do about it, where there is something.
+_STEP_HINTS = {
+    LOADING: (
+        "A spawned rank rebuilds the function and its arguments by importing, by name, the modules "
+        "they come from. Make every such module importable in a fresh interpreter (installed, or its "
+        "folder on sys.path before the launch), or define the function in the notebook; with no CUDA "
+        "initialised in the notebook, start_method='fork' avoids rebuilding altogether."
+    ),
+}
+_DEFAULT_HINT = (
+    "This happened in nblaunch's code around your function, not in it: please report it with this "
+    "traceback. A library that replaces sys.stdout, sys.stderr or logging's handlers is the usual suspect."
+)
+
+
+def hint_for(step: str) -> str:
+    """What to do about a failure ``step`` (one of the constants above)."""
+    return _STEP_HINTS.get(step, _DEFAULT_HINT)
+
+
+class RankGuard:
+    """Reports any exception raised in a rank outside the user's function, then ends the rank
+    with code 70.
+
+    Without it a rank that fails before the user's function (attaching its streams, rebuilding a
+    spawned function) would exit with nothing said. The report goes on the event pipe; if that
+    fails too, the traceback is written to the rank's stderr pipe, which the launcher shows.
+
+    Example::
+
+        with RankGuard(event_fd, stderr_fd) as guard:
+            guard.step = ATTACHING
+            attach_streams(...)
+    """
+
+    def __init__(self, event_fd: int | None, stderr_fd: int):
+        self.event_fd = event_fd
+        self.stderr_fd = stderr_fd  # becomes 2 once the streams are attached
+        self.step = JOINING
+
+    def __enter__(self) -> "RankGuard":
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        if error is None:
+            return False
+        try:
+            self._report(error)
+        finally:
+            os._exit(70)
+
+    def _report(self, error: BaseException) -> None:
+        reason = f"{self.step}: {describe(error)}"
+        hint = hint_for(self.step)
+        if self.event_fd is not None:
+            try:
+                send_failure(error, reason, hint=hint, fd=self.event_fd)
+                return
+            except BaseException:
+                pass
+        text = f"nblaunch: this rank {reason}\n{format_traceback(error)}{hint}\n"
+        try:
+            wire.write_all(self.stderr_fd, text.encode("utf-8", "backslashreplace"))
+        except OSError:
+            pass

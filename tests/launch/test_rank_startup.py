@@ -1,0 +1,178 @@
+"""Nothing in a rank's start-up fails silently: what goes wrong outside the user's function
+reaches the launcher as a RankFailedError with its traceback and what to do."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from nblaunch import RankFailedError, notebook_launcher
+from nblaunch.launch.supervisor import Supervisor
+from nblaunch.launch.workers import _fork, _Pipes
+from nblaunch.worker.bootstrap import WorkerSettings, run_forked
+
+
+def test_a_launch_works_with_dill_installed_and_torch_imported_first():
+    # dill (datasets and evaluate need it) puts a logging._StderrHandler on its logger as torch
+    # imports it; that handler's stream cannot be set, and every rank used to exit with code 70.
+    import dill  # noqa: F401  (the test environment must carry it, as Colab's and Kaggle's do)
+
+    code = (
+        "import torch, logging\n"
+        "assert any(type(h).__name__ == '_StderrHandler' for h in logging.getLogger('dill').handlers)\n"
+        "from nblaunch import notebook_launcher\n"
+        "print(notebook_launcher(lambda: 1, num_processes=2, display='none'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[1, 1]"
+
+
+class FixedStreamHandler(logging.StreamHandler):
+    """A hostile handler: its stream cannot be changed, and reading it may even raise."""
+
+    def setStream(self, stream):
+        raise RuntimeError("this handler's stream is fixed")
+
+
+class UnreadableStreamHandler(logging.StreamHandler):
+    @property
+    def stream(self):
+        raise RuntimeError("no stream for you")
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def logs_and_prints():
+    logging.getLogger("nblaunch-test-hostile").warning("logged from a rank")
+    print("printed from a rank")
+    return os.environ["RANK"]
+
+
+def test_hostile_logging_handlers_do_not_stop_a_rank_and_are_named(recorder):
+    logger = logging.getLogger("nblaunch-test-hostile")
+    handlers = [FixedStreamHandler(sys.stderr), UnreadableStreamHandler()]
+    for handler in handlers:
+        logger.addHandler(handler)
+    try:
+        assert notebook_launcher(logs_and_prints, num_processes=2, display=recorder) == ["0", "1"]
+    finally:
+        for handler in handlers:
+            logger.removeHandler(handler)
+    for rank in (0, 1):
+        assert "printed from a rank" in recorder.lines(rank)
+        warning = [line for line in recorder.lines(rank, "stderr") if "FixedStreamHandler" in line]
+        assert warning == [
+            "nblaunch: the logging handler FixedStreamHandler of logger 'nblaunch-test-hostile' could not be "
+            "pointed at this rank's output; what it logs here is lost"
+        ]
+
+
+@pytest.fixture
+def phantom_module():
+    """A module that exists in this process only: a spawned rank cannot import it by name."""
+    module = types.ModuleType("nblaunch_phantom_module")
+    exec("def train():\n    return 1\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
+
+
+def test_a_spawned_rank_that_cannot_import_the_functions_module_says_so(phantom_module):
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(phantom_module.train, num_processes=2, start_method="spawn", display="none")
+    root = info.value.root_cause
+    assert root.reason == (
+        "could not start (loading the function and its arguments): "
+        "ModuleNotFoundError: No module named 'nblaunch_phantom_module'"
+    )
+    assert root.traceback.startswith("Traceback (most recent call last):")
+    assert "ModuleNotFoundError" in root.traceback
+    assert "importable in a fresh interpreter" in root.hint
+    assert root.hint in str(info.value) and root.traceback.strip() in str(info.value)
+
+
+class RebuildsOnlyInTheNotebook:
+    """Pickles fine; rebuilding it in a rank raises (as a handle on a local resource would)."""
+
+    def __init__(self):
+        self.handle = 42
+
+    def __setstate__(self, state):
+        if "RANK" in os.environ:
+            raise RuntimeError("this object cannot be rebuilt in another process")
+
+
+def returns_its_argument(value):
+    return value
+
+
+def test_a_spawned_rank_whose_argument_cannot_be_rebuilt_says_so():
+    with pytest.raises(RankFailedError) as info:
+        notebook_launcher(returns_its_argument, args=(RebuildsOnlyInTheNotebook(),), num_processes=2,
+                          start_method="spawn", display="none")
+    root = info.value.root_cause
+    assert root.reason.startswith("could not start (loading the function and its arguments): RuntimeError")
+    assert "in __setstate__" in root.traceback
+
+
+def inner_rank():
+    return int(os.environ["RANK"])
+
+
+def launches_inside_rank_one():
+    if os.environ["RANK"] == "1":
+        return notebook_launcher(inner_rank, num_processes=2, display="none")
+    return "outer"
+
+
+def test_a_launch_inside_rank_one_works():
+    # The forked rank kept the launcher's list of pipe ends; its own launch used to close them
+    # again, now reused by its own pipes, and the inner ranks died with code 70 and no word.
+    assert notebook_launcher(launches_inside_rank_one, num_processes=2, display="none") == ["outer", [0, 1]]
+
+
+def never_runs():
+    raise AssertionError("the function must not run when the rank cannot start")
+
+
+def start_rank_with_closed(closed: list[str], recorder) -> RankFailedError:
+    """Fork one rank the way a launch does, but with some of its pipe ends closed first (what
+    a nested launch used to do to its ranks), and supervise it."""
+    pipes = _Pipes.open()
+    settings = WorkerSettings(rank=0, environ={}, threads=None, parent_pid=os.getpid(), sys_path=list(sys.path))
+
+    def child(launcher_fds):
+        for name in closed:
+            os.close(getattr(pipes, name)[1])
+        run_forked(settings, never_runs, (), stdout_fd=pipes.stdout[1], stderr_fd=pipes.stderr[1],
+                   event_fd=pipes.events[1], control_fd=pipes.control[0], launcher_fds=launcher_fds)
+
+    worker = _fork({0: pipes}, child)
+    with pytest.raises(RankFailedError) as info:
+        Supervisor([worker], recorder.on_event, timeout=60).run()
+    return info.value
+
+
+def test_a_rank_that_cannot_attach_its_output_reports_it_on_the_event_pipe(recorder):
+    error = start_rank_with_closed(["stdout"], recorder)
+    root = error.root_cause
+    assert root.exitcode == 70
+    assert root.reason == "could not start (attaching its output to the launcher): OSError: [Errno 9] Bad file descriptor"
+    assert "in attach_streams" in root.traceback and "please report it" in root.hint
+
+
+def test_without_an_event_pipe_the_report_reaches_the_log(recorder):
+    error = start_rank_with_closed(["stdout", "events"], recorder)
+    root = error.root_cause
+    assert root.exitcode == 70 and root.reason == "exited with code 70"
+    tail = "\n".join(root.log_tail)
+    assert "nblaunch: this rank could not start (attaching its output to the launcher)" in tail
+    assert "Traceback (most recent call last):" in tail
