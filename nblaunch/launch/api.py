@@ -25,6 +25,7 @@ from nblaunch.launch.preimport import import_for_ranks
 from nblaunch.launch.supervisor import Supervisor
 from nblaunch.launch.workers import WorkerProcess, start_forked, start_spawned, start_xla_host
 from nblaunch.worker.bootstrap import WorkerSettings
+from nblaunch.worker.inherited import forget_accelerate_state
 
 
 def notebook_launcher(
@@ -352,6 +353,7 @@ def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
         state = sys.modules.get("nblaunch.training.state")
         if state is not None:
             state.reset_process_state()
+        forget_accelerate_state()  # as ours: the next launch starts from a clean state
         dist = sys.modules.get("torch.distributed")
         if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # the function's own group must not outlive the call

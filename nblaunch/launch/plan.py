@@ -62,7 +62,14 @@ class LaunchPlan:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
             "NBLAUNCH_MIXED_PRECISION": self.mixed_precision,
+            # What Hugging Face Accelerate (and so transformers' Trainer) reads, as its own
+            # launchers set it: code that keeps `accelerate` gets the same launch.
+            "ACCELERATE_MIXED_PRECISION": self.mixed_precision,
         }
+        if self.device_kind == "cpu" and self.world_size > 1:
+            # Without it Accelerate's state joins no process group on a CPU: every rank would
+            # train the whole data set alone. (With one rank it would make a group of one.)
+            env["ACCELERATE_USE_CPU"] = "true"
         if self.force_cpu:
             env["NBLAUNCH_FORCE_CPU"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""

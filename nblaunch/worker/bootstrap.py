@@ -26,6 +26,7 @@ import cloudpickle
 
 from nblaunch import wire
 from nblaunch.worker import channel, lifeline, reports
+from nblaunch.worker.inherited import forget_accelerate_state
 from nblaunch.worker.progress import install_tqdm_hook
 from nblaunch.worker.reports import RankGuard, describe, send_failure
 from nblaunch.worker.streams import attach_streams, flush_streams
@@ -163,6 +164,7 @@ def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
         if torch is not None:
             torch.set_num_threads(settings.threads)
     channel.open_channel(event_fd, settings.rank)
+    forget_accelerate_state()  # forked from a kernel where Accelerate ran: start afresh
     prepare_process()
 
 
