@@ -179,7 +179,12 @@ class WidgetDisplay:
         w = self._widgets
         self.log_panes = {"all": w.HTML()} | {str(r): w.HTML() for r in ranks}
         self.logs.children = list(self.log_panes.values())
-        self.logs.titles = ["all ranks"] + [f"rank {r}" for r in ranks]
+        titles = ["all ranks"] + [f"rank {r}" for r in ranks]
+        if self.logs.has_trait("titles"):  # ipywidgets 8: one message
+            self.logs.titles = titles
+        else:  # ipywidgets 7 (Colab)
+            for index, title in enumerate(titles):
+                self.logs.set_title(index, title)
 
     def _start_timer(self) -> None:
         if self._timer is None and not self._closed:

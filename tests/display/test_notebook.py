@@ -68,6 +68,15 @@ def test_the_saved_widget_state_shows_the_whole_launch(executed):
     assert "rank 0 step 39" in logs["all"] and "rank 1 step 39" in logs["all"]
     assert "%|" not in logs["all"]  # tqdm drew nothing into the logs
     assert chart_points(part(values, 'class="nbl-metrics-panel"'), "loss") == {"rank 0": 40, "rank 1": 40}
+    assert tab_titles(nb) == ["all ranks", "rank 0", "rank 1"]
+
+
+def tab_titles(nb) -> list[str]:
+    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
+    (tab,) = [m["state"] for m in state.values() if m["model_name"] == "TabModel"]
+    if "titles" in tab:  # ipywidgets 8
+        return list(tab["titles"])
+    return [tab["_titles"][str(i)] for i in range(len(tab["_titles"]))]  # ipywidgets 7
 
 
 @pytest.mark.slow

@@ -41,7 +41,11 @@ def imported_before() -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     InteractiveShell.instance()
-    from ipywidgets.widgets.widget import _instances as live_widgets
+    from ipywidgets.widgets import widget
+
+    live_widgets = getattr(widget, "_instances", None)  # ipywidgets 8
+    if live_widgets is None:
+        live_widgets = widget.Widget.widgets  # ipywidgets 7 (Colab)
     from tqdm.auto import tqdm
     from tqdm.notebook import tqdm_notebook
 
