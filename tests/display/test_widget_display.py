@@ -54,7 +54,7 @@ def test_header_rows_and_log_tabs_follow_the_launch(display):
     assert "train" in display.header.value and "127.0.0.1:29511" in display.header.value
     assert "/tmp/nbl-logs" in display.header.value
     assert rank_states(display.ranks.value) == {0: "starting", 1: "starting"}
-    assert list(display.logs.titles) == ["all ranks", "rank 0", "rank 1"]
+    assert [display.logs.get_title(i) for i in range(3)] == ["all ranks", "rank 0", "rank 1"]
 
     display.on_event(RankStarted(0, pid=101))
     display.on_event(RankStarted(1, pid=102))
