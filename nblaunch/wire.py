@@ -19,11 +19,12 @@ METRICS = b"M"  # pickled (values, step)
 PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed)
 STACKS = b"S"  # utf-8 text: every thread's stack
 # Launcher -> worker
-PAYLOAD = b"F"  # spawn only: cloudpickled (function, args, settings)
+SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
+PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)
 DUMP_STACKS = b"D"  # empty body: please answer with a STACKS frame
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
-# (SHARED_STORAGE, launcher pid, fd, size, dtype). See nblaunch.launch.pickling.package.
+# (SHARED_STORAGE, launcher pid, fd, size, dtype). See nblaunch.launch.payload.
 SHARED_STORAGE = "nblaunch.shared-storage"
 
 

@@ -64,8 +64,13 @@ class Fanout:
             method(*args)
         except Exception:
             self.sinks.remove(sink)
+            if getattr(sink, "keeps_logs", False):
+                what, logs = "writing the logs to disk", "the log files stop here"
+            else:
+                what = f"the display {type(sink).__name__}"
+                logs = "the logs are still written" if any(getattr(s, "keeps_logs", False) for s in self.sinks) else ""
             print(
-                f"nblaunch: the display {type(sink).__name__} failed and was turned off; the launch goes on "
-                f"and the logs are still written:\n{traceback.format_exc()}",
+                f"nblaunch: {what} failed and was turned off; the launch goes on"
+                f"{'; ' + logs if logs else ''}:\n{traceback.format_exc()}",
                 file=sys.stderr,
             )

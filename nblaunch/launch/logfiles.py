@@ -8,28 +8,52 @@ import tempfile
 import time
 
 from nblaunch.events import Event, LaunchFinished, Output, RankFinished, RankState, Stacks
+from nblaunch.launch import registry
 
 _KEEP_LAUNCHES = 20  # log folders of the latest launches are kept...
 _PRUNE_AT = 40  # ...and older ones removed in batches, not one at every launch
 
 
+_YOUNG_S = 600  # a folder made this recently may belong to a launch not yet recorded
+
+
 def new_log_dir() -> str:
+    """A new folder for one launch's logs; old folders of finished launches are pruned."""
     root = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
     os.makedirs(root, mode=0o700, exist_ok=True)
     old = sorted(os.listdir(root))
     if len(old) >= _PRUNE_AT:
+        live = registry.live_log_dirs()  # any kernel's running launches: never pruned
         for name in old[: len(old) - _KEEP_LAUNCHES + 1]:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            path = os.path.join(root, name)
+            if path not in live and not _young(path):
+                shutil.rmtree(path, ignore_errors=True)
     return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root)
 
 
+def _young(path: str) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime < _YOUNG_S
+    except OSError:
+        return False
+
+
 class LogFiles:
-    """A sink of launch events that writes ``rank{r}.log`` per rank into ``directory``."""
+    """A sink of launch events that writes ``rank{r}.log`` per rank into ``directory``.
+
+    Each event's lines reach the file at once (line buffering: one write per batch of lines), so
+    a launcher killed mid-launch (an OOM-killed kernel) leaves every line it had received.
+    """
+
+    keeps_logs = True  # for Fanout's message if this sink fails
 
     def __init__(self, directory: str, num_ranks: int):
         self.directory = directory
         self._files = {
-            r: open(os.path.join(directory, f"rank{r}.log"), "w", encoding="utf-8") for r in range(num_ranks)
+            # backslashreplace: text from a rank may hold lone surrogates (an exception's message)
+            r: open(os.path.join(directory, f"rank{r}.log"), "w", encoding="utf-8", errors="backslashreplace",
+                    buffering=1)
+            for r in range(num_ranks)
         }
 
     def path(self, rank: int) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import pickle
 import sys
 import types
@@ -18,7 +17,6 @@ from typing import Any, Callable, Iterator
 
 import cloudpickle
 
-from nblaunch import wire
 from nblaunch.launch.errors import LaunchConfigError
 
 
@@ -140,55 +138,3 @@ def check_picklable(function: Callable, args: tuple) -> None:
                 "what is needed to create it."
             ) from error
     raise LaunchConfigError(f"cannot pickle `{name}` and its arguments for the workers")
-
-
-# Spawn: big CPU tensors travel through shared memory, not through the payload. Each storage of
-# at least this size is moved into an unlinked shared-memory file (torch's "file_descriptor"
-# strategy: nothing is ever left in /dev/shm; the memory is freed with the last tensor and the
-# last rank using it), and the payload carries only (launcher pid, fd, size, dtype). A rank maps
-# the same pages by opening /proc/<launcher>/fd/<fd>. Fewer than _SHARE_MAX_STORAGES storages,
-# because the launcher keeps one fd open per shared storage.
-_SHARE_MIN_BYTES = 1 << 20
-_SHARE_MAX_STORAGES = 256
-
-
-class _SharingPickler(cloudpickle.Pickler):
-    """cloudpickle, with big CPU tensor storages replaced by references to shared memory."""
-
-    def __init__(self, file, torch_module):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._torch = torch_module
-        self._shared = 0
-
-    def persistent_id(self, obj: Any):
-        torch = self._torch
-        if isinstance(obj, torch.storage.TypedStorage):
-            untyped, dtype = obj._untyped_storage, obj.dtype
-        elif isinstance(obj, torch.UntypedStorage):
-            untyped, dtype = obj, None
-        else:
-            return None
-        if untyped.device.type != "cpu" or untyped.nbytes() < _SHARE_MIN_BYTES or self._shared >= _SHARE_MAX_STORAGES:
-            return None
-        try:
-            # Moves the storage into shared memory in place (once; the tensor keeps working, the
-            # private pages are freed) and returns the file descriptor that keeps it.
-            fd, size = untyped._share_fd_cpu_()
-        except Exception:  # shared some other way (file_system strategy), or not shareable
-            return None
-        self._shared += 1
-        return (wire.SHARED_STORAGE, os.getpid(), fd, size, dtype)
-
-
-def package(function: Callable, args: tuple) -> bytes:
-    """Bytes that a spawned worker turns back into (function, args).
-
-    On Linux, CPU tensors of 1 MiB or more are not copied into the bytes: their storage moves
-    to shared memory and the worker maps it (see ``nblaunch.worker.bootstrap.load_payload``).
-    """
-    torch = sys.modules.get("torch")  # only a program that imported torch can hold tensors
-    if torch is None or not sys.platform.startswith("linux"):
-        return cloudpickle.dumps((function, args), protocol=pickle.HIGHEST_PROTOCOL)
-    out = io.BytesIO()
-    _SharingPickler(out, torch).dump((function, args))
-    return out.getvalue()

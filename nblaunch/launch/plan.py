@@ -5,7 +5,10 @@ All checks happen here, before any process starts: a refused launch leaves nothi
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+import resource
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -86,8 +89,9 @@ def _port(value: Any) -> int | None:
     if value is None:
         return None
     try:
-        port = int(value)  # Accelerate's callers pass strings such as "29500"
-    except (TypeError, ValueError):
+        # Accelerate's callers pass strings such as "29500"; 2.5 is no port (int() would say 2)
+        port = int(value) if isinstance(value, (int, str)) else -1
+    except ValueError:
         port = -1
     if isinstance(value, bool) or not 0 < port < 65536:
         raise LaunchConfigError(f"use_port must be a port number (1-65535) or None for a free port, got {value!r}")
@@ -114,6 +118,60 @@ def _start_method(requested: str | None, force_cpu: bool) -> tuple[str, str]:
     if requested == "fork":
         return "fork", "asked for with start_method='fork'"
     return "fork", "fastest, and the workers share this process's memory"
+
+
+def check_call(function: Callable, args: tuple) -> None:
+    """Refuse, before any process starts, a function that each rank could not call and return
+    from: coroutine and generator functions, and arguments that do not fit its signature."""
+    name = getattr(function, "__qualname__", None) or repr(function)
+    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+        raise LaunchConfigError(
+            f"{name} is an async function; each rank calls it plainly, with no event loop. Launch a plain "
+            f"function that runs it: def train(*args): return asyncio.run({name}(*args))"
+        )
+    if inspect.isgeneratorfunction(function):
+        raise LaunchConfigError(
+            f"{name} is a generator function; its generator could not be sent back from the ranks. "
+            "Return a list instead (e.g. return list(...))."
+        )
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have none: nothing to check against
+    try:
+        signature.bind(*args)
+    except TypeError as error:
+        raise LaunchConfigError(
+            f"{name}{signature} cannot be called with args={args!r}: {error}. Pass args=(...) with one "
+            "value per parameter."
+        ) from None
+
+
+# Open files the launcher holds per rank: 4 pipe ends, a pidfd, a log file (and, while a rank
+# starts, its 4 other pipe ends); plus a few for the launch itself.
+_FILES_PER_RANK = 10
+_FILES_PER_LAUNCH = 16
+
+
+def check_open_files(num_processes: int) -> None:
+    """Refuse a launch that would run out of file descriptors halfway through starting."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return
+    needed = in_use + _FILES_PER_RANK * num_processes + _FILES_PER_LAUNCH
+    if needed > soft:
+        can_raise = hard == resource.RLIM_INFINITY or needed <= hard
+        how = (f"raise the limit first: import resource; resource.setrlimit(resource.RLIMIT_NOFILE, "
+               f"({needed}, {'resource.RLIM_INFINITY' if hard == resource.RLIM_INFINITY else hard}))"
+               if can_raise else f"the hard limit is {hard}: use fewer processes or raise it (ulimit -Hn)")
+        raise LaunchConfigError(
+            f"num_processes={num_processes} needs about {needed} open files in this process, but the limit "
+            f"is {soft} (ulimit -n); {how}"
+        )
 
 
 def make_plan(
@@ -143,10 +201,20 @@ def make_plan(
     mixed_precision = mixed_precision.lower()
     if not isinstance(master_addr, str) or not master_addr:
         raise LaunchConfigError(f"master_addr must be a host name or address, got {master_addr!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise LaunchConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    if isinstance(display, str) and display not in DISPLAY_CHOICES:
-        raise LaunchConfigError(f"display must be one of {', '.join(DISPLAY_CHOICES)}, got {display!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise LaunchConfigError(
+            f"timeout must be a positive, finite number of seconds, or None for no limit; got {timeout!r}"
+        )
+    if isinstance(display, str):
+        if display not in DISPLAY_CHOICES:
+            raise LaunchConfigError(f"display must be one of {', '.join(DISPLAY_CHOICES)}, got {display!r}")
+    elif not (callable(getattr(display, "on_event", None)) and callable(getattr(display, "close", None))):
+        raise LaunchConfigError(
+            f"display must be one of {', '.join(DISPLAY_CHOICES)} or an object with on_event(event) and "
+            f"close() methods; got a {type(display).__name__}"
+        )
+    check_call(function, args)
     port = _port(use_port)
     if port is None and num_nodes > 1:
         raise LaunchConfigError(
@@ -173,6 +241,7 @@ def make_plan(
         )
     if mixed_precision == "fp8" and device_kind != "cuda":
         raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs; on the CPU use 'bf16' or 'no'")
+    check_open_files(num_processes)
     method, reason = _start_method(start_method, force_cpu)
     master_port = ports.choose_port(master_addr, port, hosted_here=node_rank == 0)
     if port is None and num_nodes == 1:

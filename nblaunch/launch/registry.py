@@ -2,7 +2,7 @@
 
 Ranks normally die with their launcher (PR_SET_PDEATHSIG), but not everywhere (not on macOS,
 not if the launching thread outlived the kernel's death in odd ways, not the processes a rank
-started in a session of their own). Each launch writes one JSON file naming its launcher and
+started in a session of their own: those are found by the launch's tag, see nblaunch.proctree). Each launch writes one JSON file naming its launcher and
 its ranks, with their start times so a reused pid is never mistaken for a rank. A new launch
 stops the ranks of any launch whose launcher is gone, and says so.
 """
@@ -14,7 +14,9 @@ import json
 import os
 import signal
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from nblaunch import proctree
 
 
 def registry_dir() -> str:
@@ -25,12 +27,7 @@ def registry_dir() -> str:
 
 def process_start_time(pid: int) -> int | None:
     """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3 (state)
-    except (OSError, IndexError, ValueError):
-        return None
+    return proctree.start_ticks(pid)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +51,8 @@ class LaunchRecord:
     launcher_pid: int
     port: int
     ranks: list[tuple[int, int | None]]  # (pid, start time) of each rank
+    log_dir: str = ""  # never pruned while this record exists
+    pipes: list[int] = field(default_factory=list)  # inodes of the ranks' pipes (see nblaunch.proctree)
 
     @property
     def path(self) -> str:
@@ -64,6 +63,8 @@ class LaunchRecord:
             "launcher": [self.launcher_pid, _own_start_time() if self.launcher_pid == os.getpid() else process_start_time(self.launcher_pid)],
             "port": self.port,
             "ranks": self.ranks,
+            "log_dir": self.log_dir,
+            "pipes": self.pipes,
         }
         tmp = self.path + ".tmp"
         with open(tmp, "w") as out:
@@ -75,6 +76,21 @@ class LaunchRecord:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def live_log_dirs() -> set[str]:
+    """The log folders of every launch with a record: running, or not yet swept."""
+    found = set()
+    directory = registry_dir()
+    for name in os.listdir(directory):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    found.add(json.load(f).get("log_dir") or "")
+            except (OSError, ValueError, AttributeError):
+                continue  # being written or removed: its folder is young, which spares it too
+    found.discard("")
+    return found
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -140,6 +156,9 @@ def stop_stale_ranks() -> list[str]:
                         except (ProcessLookupError, PermissionError):
                             pass
                 stopped += stale
+        starts = [start for _, start in record["ranks"] if start]
+        tagged = proctree.kill_marked(name[: -len(".json")], set(record.get("pipes", [])), min(starts) if starts else None)
+        stopped += [pid for pid in tagged if pid not in stopped]
         if stopped:
             messages.append(
                 f"stopped {len(stopped)} stale process(es) (pids {', '.join(map(str, sorted(stopped)))}) left by "

@@ -37,6 +37,7 @@ from nblaunch.launch.errors import (
     RemoteError,
     RemoteTraceback,
 )
+from nblaunch.launch.diagnosis import explain_peer_left
 from nblaunch.launch.lines import LineSplitter
 from nblaunch.launch.workers import RankPipes, WorkerProcess
 
@@ -50,6 +51,7 @@ _REAP_BACKSTOP_S = 10.0
 _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arrive before the next read
 _COALESCE_BELOW = 64 * 1024
 _LOG_TAIL = 20
+_DRAIN_MAX_READS = 64  # after a rank's exit, what its pipes held: at most 64 MiB each
 
 _FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"
 
@@ -139,6 +141,11 @@ class Supervisor:
                 os.write(self._wake_write, b"x")
 
     @property
+    def ended_cleanly(self) -> bool:
+        """Every process ran its bootstrap to the end, which stopped what it had started."""
+        return all(process.ended_cleanly for process in self._processes)
+
+    @property
     def stacks(self) -> dict[int, str]:
         return dict(self._stacks)
 
@@ -206,9 +213,10 @@ class Supervisor:
         """Read everything a dead rank left in its pipes (its result may be the last of it)."""
         p = rank.pipes
         for fd, kind in ((p.event_fd, _FD_EVENTS), (p.stdout_fd, _FD_STDOUT), (p.stderr_fd, _FD_STDERR)):
-            if fd in self._selector.get_map():
-                while self._read(rank, kind, fd):
-                    pass
+            # Bounded: a helper the rank started may hold the pipe and never stop writing.
+            for _ in range(_DRAIN_MAX_READS):
+                if fd not in self._selector.get_map() or not self._read(rank, kind, fd):
+                    break
         for fd in list(self._selector.get_map()):
             if self._selector.get_key(fd).data[0] is rank:
                 self._selector.unregister(fd)
@@ -332,6 +340,10 @@ class Supervisor:
         # The root cause first: a rank's own error before errors that a dead peer caused,
         # then in the order they happened (the workers' clocks are the same system-wide clock).
         ordered = sorted(failures, key=lambda r: (r.failure.collateral, r.failed_at))
+        root = ordered[0].failure
+        finished = sorted(r.number for r in self._ranks.values() if r.has_result and r.failure is None)
+        if root.collateral and finished:  # nobody broke: someone left while others still waited
+            explain_peer_left(root, finished)
         error = RankFailedError([r.failure for r in ordered], self.stacks)
         error.__cause__ = ordered[0].failure.exception
         return error

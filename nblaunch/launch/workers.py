@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -20,10 +21,17 @@ from dataclasses import dataclass, field
 from typing import Callable, NoReturn
 
 import nblaunch
-from nblaunch import wire
-from nblaunch.launch.preimport import import_for_ranks
+from nblaunch import proctree, wire
+from nblaunch.launch.payload import Payload
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.xla import RankEnds, run_host
+
+# Python 3.12+ warns at every fork in a threaded process; a Jupyter kernel always has threads.
+# The child runs only our bootstrap and the user's function, the same bet torch.multiprocessing's
+# fork makes. One filter, for warnings raised from this module only, added once at import: a
+# catch_warnings() around each fork swapped the process-wide filters from launch threads, and
+# two concurrent launches left the user's filters changed for good.
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=re.escape(__name__) + "$")
 
 _F_SETPIPE_SZ = 1031  # Linux: bigger pipes mean fewer wake-ups for chatty ranks and big results
 _PIPE_SIZE = 1 << 20
@@ -101,9 +109,22 @@ class WorkerProcess:
                 continue
 
     def kill(self) -> None:
+        """SIGKILL the process, its group and every process below it, whatever their session."""
         if self.returncode is None:
             self.killed_by_launcher = True
-        self.signal_group(signal.SIGKILL)
+            proctree.kill_tree(self.pid)
+        else:
+            self.signal_group(signal.SIGKILL)
+
+    @property
+    def pipe_fds(self) -> list[int]:
+        """The launcher's ends of every pipe of the ranks it hosts."""
+        return [fd for r in self.ranks for fd in (r.stdout_fd, r.stderr_fd, r.event_fd, r.control_fd)]
+
+    @property
+    def ended_cleanly(self) -> bool:
+        """It ran the bootstrap to its end, which stopped whatever it had started."""
+        return not self.killed_by_launcher and self.returncode in (0, 1)
 
     def close(self) -> None:
         with _LAUNCHER_FDS_LOCK:
@@ -174,12 +195,7 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[list[int]], NoReturn]) -> W
     """
     with _LAUNCHER_FDS_LOCK:
         launcher_fds = sorted(_LAUNCHER_FDS) + [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
-    with warnings.catch_warnings():
-        # Python 3.12+ warns about fork in a threaded process; a Jupyter kernel always has
-        # threads. The child runs only our bootstrap and the user's function, which is the
-        # same bet torch.multiprocessing's fork makes.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = os.fork()
     if pid == 0:
         _forget_launcher_fds()
         child(launcher_fds)
@@ -188,6 +204,23 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[list[int]], NoReturn]) -> W
     except OSError:
         pass
     return _handle(pid, ranks, popen=None)
+
+
+def hold_launcher_fds(fds: list[int]) -> None:
+    """Count ``fds`` (a spawn payload's memfds) among the launcher's own: forked ranks of any
+    launch close them, so their memory is freed when the launch that made them ends."""
+    with _LAUNCHER_FDS_LOCK:
+        _LAUNCHER_FDS.update(fds)
+
+
+def close_launcher_fds(fds: list[int]) -> None:
+    with _LAUNCHER_FDS_LOCK:
+        for fd in fds:
+            _LAUNCHER_FDS.discard(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _forget_launcher_fds() -> None:
@@ -218,18 +251,17 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
 
 
 def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
-    """Fork the process that runs torch_xla's xmp.spawn; it and its children host every rank."""
-    # Imported once per kernel so every launch's forks inherit it (about 3 s each otherwise).
-    # Importing does not start the XLA runtime (using a device would).
-    environ = dict(import_for_ranks("torch_xla.distributed.xla_multiprocessing"), **environ)
+    """Fork the process that runs torch_xla's xmp.spawn; it and its children host every rank.
+
+    The launcher imports torch_xla first (``starting.environ_for_ranks``), so the fork inherits it."""
     ranks = {rank: _Pipes.open() for rank in range(num_ranks)}
     ends = {rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()}
     parent = os.getpid()
     return _fork(ranks, lambda launcher_fds: run_host(environ, parent, packed_function, ends, launcher_fds))
 
 
-def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dict[str, str]) -> WorkerProcess:
-    """Start one rank as a fresh interpreter that receives the cloudpickled function on a pipe."""
+def start_spawned(settings: WorkerSettings, payload: Payload, environ: dict[str, str]) -> WorkerProcess:
+    """Start one rank as a fresh interpreter that receives the function on its control pipe."""
     pipes = _Pipes.open()
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(nblaunch.__file__)))
     env = dict(environ)
@@ -244,18 +276,19 @@ def start_spawned(settings: WorkerSettings, packed_function: bytes, environ: dic
         start_new_session=True,  # a process group of its own, like a forked rank
     )
     worker = _handle(popen.pid, {settings.rank: pipes}, popen=popen)
-    payload = wire.encode(wire.PAYLOAD, pickle.dumps((settings, packed_function), protocol=pickle.HIGHEST_PROTOCOL))
+    head = wire.encode(wire.SPAWN_SETTINGS, pickle.dumps((settings, payload.buffers), protocol=pickle.HIGHEST_PROTOCOL))
+    # The pickle is written as it is, never joined to a header: no copy of it per rank.
+    pieces = [head, wire.HEADER.pack(wire.PAYLOAD, len(payload.data)), payload.data]
     # A thread, because a large payload fills the pipe before the child starts reading it.
     rank = worker.ranks[0]
-    rank.payload_sender = threading.Thread(target=_send_payload, args=(rank.control_fd, payload), daemon=True)
+    rank.payload_sender = threading.Thread(target=_send_payload, args=(rank.control_fd, pieces), daemon=True)
     rank.payload_sender.start()
     return worker
 
 
-def _send_payload(fd: int, payload: bytes) -> None:
+def _send_payload(fd: int, pieces: list[bytes]) -> None:
     try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view):]
+        for piece in pieces:
+            wire.write_all(fd, piece)
     except OSError:
         pass  # the rank died before reading it; the supervisor reports that

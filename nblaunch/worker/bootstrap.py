@@ -11,7 +11,6 @@ Whatever fails around the user's function is reported to the launcher too (``Ran
 from __future__ import annotations
 
 import faulthandler
-import io
 import os
 import pickle
 import signal
@@ -24,8 +23,8 @@ from typing import Any, Callable, NoReturn
 
 import cloudpickle
 
-from nblaunch import wire
-from nblaunch.worker import channel, lifeline, reports
+from nblaunch import proctree, wire
+from nblaunch.worker import channel, lifeline, payload, reports
 from nblaunch.worker.inherited import forget_accelerate_state
 from nblaunch.worker.progress import install_tqdm_hook
 from nblaunch.worker.reports import RankGuard, describe, send_failure
@@ -66,7 +65,7 @@ def run_forked(
             _set_up_rank(settings, event_fd)
             guard.step = reports.REPORTING
             code = serve(function, args, control_fd, event_fd)
-            flush_streams()
+            leave_cleanly()
         os._exit(code)
     finally:
         os._exit(70)  # reached only if the guard itself could not end the rank
@@ -95,68 +94,23 @@ def main_spawned(argv: list[str]) -> NoReturn:
             guard.step = reports.ATTACHING
             attach_streams(1, 2)
             guard.step = reports.LOADING
-            settings, packed = pickle.loads(_read_payload(control_fd))
+            settings, data, buffers = payload.read(control_fd)
             sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
-            function, args = load_payload(packed)
+            function, args = payload.load(data, buffers)
             guard.step = reports.SETTING_UP
             _set_up_rank(settings, event_fd)
             guard.step = reports.REPORTING
             code = serve(function, args, control_fd, event_fd)
-            flush_streams()
+            leave_cleanly()
         os._exit(code)
     finally:
         os._exit(70)
 
 
-class _PayloadUnpickler(pickle.Unpickler):
-    """Unpickles a spawn payload; storages the launcher put in shared memory are mapped, not
-    copied (see ``nblaunch.launch.pickling.package``)."""
-
-    def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data))
-        self._storages: dict[tuple[int, int], Any] = {}
-
-    def persistent_load(self, pid: Any) -> Any:
-        tag, owner, fd, size, dtype = pid
-        if tag != wire.SHARED_STORAGE:
-            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
-        untyped = self._storages.get((owner, fd))
-        if untyped is None:
-            import torch
-
-            # The launcher's descriptor, opened anew: the same shared pages, mapped here.
-            local = os.open(f"/proc/{owner}/fd/{fd}", os.O_RDWR)
-            try:
-                untyped = torch.UntypedStorage._new_shared_fd_cpu(local, size)
-            finally:
-                os.close(local)
-            self._storages[(owner, fd)] = untyped
-        if dtype is None:
-            return untyped
-        import torch
-
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-
-
-def load_payload(packed: bytes) -> tuple[Callable, tuple]:
-    """(function, args) from the bytes ``nblaunch.launch.pickling.package`` made."""
-    return _PayloadUnpickler(packed).load()
-
-
-def _read_payload(control_fd: int) -> bytes:
-    reader = wire.FrameReader()
-    while True:
-        chunk = os.read(control_fd, 1 << 20)
-        if not chunk:
-            os._exit(1)  # the launcher went away before sending the work
-        for kind, body in reader.feed(chunk):
-            if kind == wire.PAYLOAD:
-                return body
-
-
 def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     os.environ.update(settings.environ)
     lifeline.set_process_name(str(settings.rank))
+    lifeline.become_subreaper()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if settings.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(settings.threads)
@@ -166,6 +120,13 @@ def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     channel.open_channel(event_fd, settings.rank)
     forget_accelerate_state()  # forked from a kernel where Accelerate ran: start afresh
     prepare_process()
+
+
+def leave_cleanly() -> None:
+    """Before the rank exits: stop every process it started (a helper in a session of its own
+    would outlive it) and flush what is buffered."""
+    proctree.kill_descendants(os.getpid())
+    flush_streams()
 
 
 def prepare_process() -> None:

@@ -13,6 +13,7 @@ import sys
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
 
 # Every worker's kernel-visible name starts with this; tests and the stale-rank sweep look for it.
 PROCESS_NAME_PREFIX = "nblaunch-r"
@@ -36,6 +37,12 @@ def die_with_parent(expected_parent_pid: int) -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != expected_parent_pid:
         os._exit(1)
+
+
+def become_subreaper() -> None:
+    """Orphans below this rank (a daemon that double-forked) become its children, not init's,
+    so the rank can find and stop everything it started (see nblaunch.proctree)."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def set_process_name(label: str) -> None:

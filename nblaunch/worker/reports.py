@@ -7,6 +7,7 @@ pickle, formatting its traceback reads source files that may be slow.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import sys
@@ -77,15 +78,59 @@ def send_failure(error: BaseException, reason: str | None = None, *, hint: str =
         "final": False,
     }
     channel.send(wire.ERROR, pickle.dumps(report), fd=fd)
-    report["traceback"] = format_traceback(error)
-    try:
-        pickled = cloudpickle.dumps(error)
-        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
-        report["exception"] = pickled
-    except BaseException:
-        pass
+    report["traceback"] = _bounded_text(format_traceback(error))
+    report["exception"] = _pickled_exception(error)
     report["final"] = True
     channel.send(wire.ERROR, pickle.dumps(report), fd=fd)
+
+
+# An exception may carry anything (a 400 MB tensor): the traceback must arrive whatever it holds.
+_EXCEPTION_MAX_BYTES = 4 << 20  # beyond this the launcher gets its type, message and traceback only
+_TRACEBACK_MAX_CHARS = 200_000
+
+
+class _TooBig(Exception):
+    pass
+
+
+class _BoundedPickler(cloudpickle.Pickler):
+    """Gives up as soon as the pickle would pass ``_EXCEPTION_MAX_BYTES``, before serialising a
+    big tensor or array at all."""
+
+    def __init__(self, out: io.BytesIO):
+        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        self._out = out
+
+    def reducer_override(self, obj: Any) -> Any:
+        nbytes = getattr(obj, "nbytes", None)  # numpy arrays, torch tensors and storages
+        if callable(nbytes):
+            nbytes = nbytes()
+        if isinstance(nbytes, int) and nbytes > _EXCEPTION_MAX_BYTES:
+            raise _TooBig
+        if self._out.tell() > _EXCEPTION_MAX_BYTES:
+            raise _TooBig
+        return super().reducer_override(obj)
+
+
+def _pickled_exception(error: BaseException) -> bytes | None:
+    """The exception, pickled, if it is small and can be rebuilt; else None."""
+    out = io.BytesIO()
+    try:
+        _BoundedPickler(out).dump(error)
+        if out.tell() > _EXCEPTION_MAX_BYTES:
+            return None
+        pickled = out.getvalue()
+        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
+        return pickled
+    except BaseException:
+        return None
+
+
+def _bounded_text(text: str) -> str:
+    if len(text) <= _TRACEBACK_MAX_CHARS:
+        return text
+    half = _TRACEBACK_MAX_CHARS // 2
+    return f"{text[:half]}\n... ({len(text) - 2 * half} characters left out) ...\n{text[-half:]}"
 
 
 # What a rank is doing outside the user's function, as RankGuard's report says it.

@@ -91,6 +91,7 @@ def run_host(
             guard.step = reports.SETTING_UP
             os.environ.update(environ)
             lifeline.set_process_name("host")
+            lifeline.become_subreaper()
             import torch_xla.distributed.xla_multiprocessing as xmp
 
         code = 0
@@ -99,7 +100,7 @@ def run_host(
         except BaseException:  # a rank's own failure was already reported by its DeviceEntry
             traceback.print_exc()
             code = 1
-        flush_streams()
+        bootstrap.leave_cleanly()
         os._exit(code)
     finally:
         os._exit(70)

@@ -33,7 +33,11 @@ def children() -> list[psutil.Process]:
         ({"num_processes": 2, "use_port": "http"}, "use_port must be a port number"),
         ({"num_processes": 2, "use_port": 70000}, "use_port must be a port number"),
         ({"num_processes": 2, "start_method": "forkserver"}, "start_method must be None"),
-        ({"num_processes": 2, "timeout": -1}, "timeout must be a positive number"),
+        ({"num_processes": 2, "timeout": -1}, "timeout must be a positive, finite number"),
+        ({"num_processes": 2, "timeout": float("inf")}, "timeout must be a positive, finite number"),
+        ({"num_processes": 2, "timeout": float("nan")}, "timeout must be a positive, finite number"),
+        ({"num_processes": 2, "use_port": 2.5}, "use_port must be a port number"),
+        ({"num_processes": 2, "display": object()}, "or an object with on_event"),
         ({"num_processes": 2, "display": "fancy"}, "display must be one of"),
         ({"num_processes": 2, "args": [1]}, "args must be a tuple"),
         ({"num_processes": 2, "num_nodes": 2, "node_rank": 1}, None),  # checked below: port needed
@@ -86,4 +90,60 @@ def test_an_unpicklable_argument_is_named():
     import threading
 
     with pytest.raises(LaunchConfigError, match=r"key 'lock' of argument 1 of the launch \(args\[1\]\) holds a _thread.lock"):
-        notebook_launcher(noop, args=(1, {"lock": threading.Lock()}), num_processes=2)
+        notebook_launcher(lambda *args: 0, args=(1, {"lock": threading.Lock()}), num_processes=2)
+
+
+async def an_async_function():
+    return 1
+
+
+def a_generator_function():
+    yield 1
+
+
+def takes_two(a, b):
+    return a + b
+
+
+@pytest.mark.parametrize(
+    "function, args, message",
+    [
+        (an_async_function, (), "is an async function"),
+        (a_generator_function, (), "is a generator function"),
+        (takes_two, (1,), r"takes_two\(a, b\) cannot be called with args=\(1,\): missing a required argument: 'b'"),
+        (takes_two, (1, 2, 3), "too many positional arguments"),
+    ],
+)
+def test_a_function_the_ranks_could_not_call_is_refused_before_anything_starts(function, args, message):
+    before = children()
+    with pytest.raises(LaunchConfigError, match=message):
+        notebook_launcher(function, args, num_processes=2)
+    assert children() == before
+
+
+def sleeps():
+    import time
+
+    time.sleep(600)
+
+
+def test_a_timeout_holds_for_one_process_too():
+    from nblaunch import LaunchTimeoutError
+
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(sleeps, num_processes=1, timeout=1, display="none")
+    assert "time.sleep(600)" in info.value.stacks[0]
+
+
+def test_more_ranks_than_open_files_allow_is_refused_with_what_to_do():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        before = children()
+        with pytest.raises(LaunchConfigError, match=r"num_processes=300 needs about \d+ open files.*limit is 256.*setrlimit"):
+            notebook_launcher(noop, num_processes=300, display="none")
+        assert children() == before
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -258,7 +258,11 @@ def test_what_an_earlier_kernels_ranks_left_is_stopped_by_the_next_launch(went_w
     assert len(servers) == 2 and earlier.endswith("the earlier kernel is gone\n")
     (cleanup,) = [c for c in went_wrong.cells if c.source == "notebook_launcher(all_reduce_check, num_processes=2)"]
     message = stream(cleanup, "stderr")
-    assert f"nblaunch: stopped 2 stale process(es) (pids {servers[0]}, {servers[1]}) left by an earlier launch" in message
+    # The earlier kernel's ranks die with it, but asynchronously: on a busy machine the sweep may
+    # find one still exiting and stop it too. The servers must be among what it stopped.
+    stopped = re.search(r"nblaunch: stopped \d+ stale process\(es\) \(pids ([\d, ]+)\) left by an earlier launch", message)
+    assert stopped, message
+    assert set(servers) <= {int(pid) for pid in stopped.group(1).split(", ")}
     assert gone(servers, within=5)
     assert cleanup.outputs[-1]["data"]["text/plain"] == "[3.0, 3.0]"
 

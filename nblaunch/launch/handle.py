@@ -1,0 +1,241 @@
+"""The :class:`Launch`: one launch from start to end, and the handle ``block=False`` returns.
+
+A non-blocking launch runs in a thread of its own. If the interpreter exits while one still
+runs (a script's last line, a kernel shut down), it is stopped as ``cancel()`` would: every
+rank's stack goes to its log, every rank is stopped, the logs are kept and the launch's record
+removed, and one line says so. (Waiting instead could hold a kernel's shutdown for hours.)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import functools
+import os
+import sys
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from nblaunch import proctree
+from nblaunch.display import Fanout, make_display
+from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankFinished, RankStarted, RankState
+from nblaunch.launch import registry
+from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
+from nblaunch.launch.logfiles import LogFiles, new_log_dir
+from nblaunch.launch.payload import Payload, package
+from nblaunch.launch.plan import LaunchPlan
+from nblaunch.launch.starting import environ_for_ranks, kill_and_reap, start_workers
+from nblaunch.launch.supervisor import Supervisor
+from nblaunch.launch.workers import WorkerProcess, close_launcher_fds, hold_launcher_fds
+
+_STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
+
+
+class Launch:
+    """A launch in progress or finished; ``notebook_launcher(..., block=False)`` returns one.
+
+    Example::
+
+        launch = notebook_launcher(train, num_processes=2, block=False)
+        launch.status          # "running"
+        launch.logs(1)[-200:]  # rank 1's log so far
+        launch.cancel()        # or: results = launch.result()
+    """
+
+    def __init__(self, plan: LaunchPlan, function: Callable, args: tuple, timeout: float | None, display: Any):
+        self.plan = plan
+        self._function = function
+        self._args = args
+        self._timeout = timeout
+        self._future: Future = Future()
+        self._lock = threading.Lock()
+        self._supervisor: Supervisor | None = None
+        self._cancel_requested = False
+        self._rank_states: dict[int, RankState] = {}
+        self._status = "starting"
+        for message in registry.stop_stale_ranks():
+            print(f"nblaunch: {message}", file=sys.stderr)
+        self.log_dir = new_log_dir()
+        self._logs = LogFiles(self.log_dir, plan.num_processes)
+        # Made here, on the caller's thread: a widget shows itself in the launching cell, and the
+        # imports for the ranks touch os.environ, which a launch thread must never do.
+        self._display = make_display(display, plan.num_processes)
+        self._sink = Fanout(self._logs, self._display)
+        self.launch_id = uuid.uuid4().hex
+        # Every process of the launch inherits the tag, whatever session it makes for itself.
+        self._inherited_environ = dict(environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: self.launch_id})
+
+    # ------------------------------------------------------------------ the handle
+    @property
+    def status(self) -> str:
+        """starting, running, done, failed, timed out, cancelled or interrupted."""
+        return self._status
+
+    @property
+    def ranks(self) -> dict[int, RankState]:
+        """Each rank's state."""
+        return dict(self._rank_states)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Wait for the launch (at most ``timeout`` seconds) and return each rank's result, or
+        raise what the launch raised (RankFailedError, LaunchTimeoutError, ...)."""
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        """Show every rank's stack, stop every rank; ``result()`` then raises
+        LaunchCancelledError. False if the launch had already finished."""
+        with self._lock:
+            if self._future.done():
+                return False
+            self._cancel_requested = True
+            if self._supervisor is not None:
+                self._supervisor.cancel()
+        return True
+
+    def logs(self, rank: int) -> str:
+        """Rank ``rank``'s whole log so far (from disk)."""
+        self._logs.flush()
+        with open(self._logs.path(rank), encoding="utf-8", errors="replace") as log:
+            return log.read()
+
+    def __repr__(self) -> str:
+        return f"<Launch {self.plan.function_name} on {self.plan.num_processes} processes: {self.status}>"
+
+    # ------------------------------------------------------------------ running it
+    def _start_in_background(self) -> None:
+        # The thread forks the ranks and lives until they are reaped: PR_SET_PDEATHSIG fires when
+        # the forking thread exits. A display that prints (text) runs in a copy of the caller's
+        # context: ipykernel 7 keeps the launching cell there, so late lines land in that cell.
+        # Widgets update through comm messages, which find their widget from any thread; tagging
+        # them with a finished cell would make nbclient/papermill drop them.
+        run = self._run_quietly
+        if getattr(self._display, "prints_to_cell", False):
+            run = functools.partial(contextvars.copy_context().run, self._run_quietly)
+        thread = threading.Thread(target=run, name=f"nblaunch-{self.plan.function_name}", daemon=True)
+        _unfinished.add(self)
+        thread.start()
+
+    def _run_quietly(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            pass  # kept in the future; result() raises it
+
+    def _emit(self, event: Event) -> None:
+        if isinstance(event, RankStarted):
+            self._rank_states[event.rank] = RankState.RUNNING
+            self._status = "running"
+        elif isinstance(event, RankFinished):
+            self._rank_states[event.rank] = event.state
+        self._sink.on_event(event)
+
+    def _run(self) -> list[Any]:
+        plan = self.plan
+        started = time.monotonic()
+        self._emit(
+            LaunchStarted(
+                function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
+                node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
+                master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices,
+                log_dir=self.log_dir,
+            )
+        )
+        record = None
+        payload: Payload | None = None
+        outcome: Any = None
+        workers: list[WorkerProcess] = []
+        try:
+            if plan.start_method == "spawn":
+                payload = package(self._function, self._args)
+                hold_launcher_fds(payload.fds)
+            workers = start_workers(plan, self._function, self._args, self._inherited_environ, payload)
+            record = registry.LaunchRecord(
+                launch_id=self.launch_id, launcher_pid=os.getpid(), port=plan.master_port,
+                ranks=[(w.pid, registry.process_start_time(w.pid)) for w in workers], log_dir=self.log_dir,
+                pipes=[os.fstat(fd).st_ino for w in workers for fd in w.pipe_fds],
+            )
+            record.save()
+            with self._lock:
+                self._supervisor = Supervisor(workers, self._emit, self._timeout)
+                if self._cancel_requested:
+                    self._supervisor.cancel()
+            results = self._supervisor.run()
+            elapsed = time.monotonic() - started
+            self._status = "done"
+            self._emit(
+                LaunchFinished(
+                    state=RankState.DONE, elapsed_s=elapsed, results=results,
+                    summary=f"all {plan.num_processes} ranks done in {elapsed:.2f} s",
+                )
+            )
+            outcome = results
+            return results
+        except BaseException as error:
+            kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
+            self._status, finished = _ending(error, time.monotonic() - started)
+            self._emit(finished)
+            outcome = error
+            raise
+        finally:
+            if payload is not None:
+                close_launcher_fds(payload.fds)  # ranks that mapped the memory keep it
+            if workers and not (self._supervisor is not None and self._supervisor.ended_cleanly):
+                # A rank that was killed could not stop what it had started: find it by its tag.
+                since = min((start for _, start in record.ranks if start), default=None) if record else None
+                proctree.kill_marked(self.launch_id, set(record.pipes) if record else set(), since)
+            if record is not None:
+                record.remove()
+            self._sink.close()
+            # Last: whoever waits on result() finds the display closed and the logs complete.
+            if isinstance(outcome, BaseException):
+                self._future.set_exception(outcome)
+            else:
+                self._future.set_result(outcome)
+
+
+def _ending(error: BaseException, elapsed: float) -> tuple[str, LaunchFinished]:
+    """How a launch that raised ``error`` ended: its ``Launch.status`` and its last event."""
+    if isinstance(error, RankFailedError):
+        root = error.root_cause
+        summary = f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}"
+        return "failed", LaunchFinished(
+            RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank, summary=summary
+        )
+    if isinstance(error, LaunchTimeoutError):
+        status = "timed out"
+        summary = f"timed out after {elapsed:.2f} s (timeout={error.timeout:g}); every rank was stopped"
+    elif isinstance(error, KeyboardInterrupt):
+        status, summary = "interrupted", f"interrupted after {elapsed:.2f} s; every rank was stopped"
+    elif isinstance(error, LaunchCancelledError):
+        status, summary = "cancelled", f"cancelled after {elapsed:.2f} s; every rank was stopped"
+    else:
+        status, summary = "failed", f"the launch failed after {elapsed:.2f} s: {error!r}"
+    return status, LaunchFinished(RankState.STOPPED, elapsed, error=error, summary=summary)
+
+
+_unfinished: "weakref.WeakSet[Launch]" = weakref.WeakSet()  # non-blocking launches not yet done
+
+
+@atexit.register
+def _stop_unfinished_launches() -> None:
+    for launch in list(_unfinished):
+        if launch.done():
+            continue
+        print(
+            f"nblaunch: the interpreter is exiting while the launch of {launch.plan.function_name} "
+            f"(block=False) still runs: stopping it. Its logs: {launch.log_dir}. To wait for it "
+            "instead, call launch.result() before the end.",
+            file=sys.stderr,
+        )
+        launch.cancel()
+        try:
+            launch.result(timeout=_STOP_AT_EXIT_S)
+        except BaseException:
+            pass

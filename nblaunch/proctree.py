@@ -1,0 +1,152 @@
+"""Finding and stopping every process a rank started, whatever session or group it is in.
+
+A rank's process group covers what it starts plainly (DataLoader workers), not a helper started
+with ``start_new_session=True`` or a daemon that called ``setsid()``. Three nets catch those:
+
+* each rank is a *child subreaper*: a daemon that double-forks is re-parented to the rank, not
+  to init, so while the rank lives every process it started is below it in the process tree;
+* a rank that ends stops everything below it first, and the launcher does the same to a rank it
+  stops (``kill_tree``);
+* when a launch ends and a rank was killed before it could clean up, any process started since
+  the launch began that is marked as the launch's is stopped (``kill_marked``): programs it
+  executed carry ``NBLAUNCH_LAUNCH_ID`` in their environment (inherited from the rank), and
+  processes it forked without executing anything (their environment block is the kernel's)
+  still hold one of the launch's pipes.
+
+What none of these finds: a process that a killed rank forked (no exec) and that then closed
+every inherited descriptor; only a cgroup or a PID namespace would hold that one.
+Linux only (/proc); elsewhere these find nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+LAUNCH_ID_VARIABLE = "NBLAUNCH_LAUNCH_ID"
+_ROUNDS = 20  # a tree that forks while it is being killed: look again, a bounded number of times
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (of all its threads)."""
+    found: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` in the process tree."""
+    found, todo = [], children(pid)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children(child)
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_descendants(pid: int) -> None:
+    """SIGKILL everything below ``pid``; look again for what was forked meanwhile."""
+    for _ in range(_ROUNDS):
+        below = [p for p in descendants(pid) if not _is_zombie(p)]
+        if not below:
+            return
+        _kill(below)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and everything below it."""
+    below = descendants(pid)  # before the kill: a dead process's children move away
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+            break
+        except (ProcessLookupError, PermissionError):
+            continue
+    _kill(below)
+
+
+def kill_marked(launch_id: str, pipe_inodes: set[int], since_ticks: int | None) -> list[int]:
+    """SIGKILL every process marked as the launch's (see above); return their pids.
+
+    ``since_ticks`` (a start time in clock ticks since boot, as /proc/<pid>/stat field 22) skips
+    older processes without reading anything else: only processes of the launch can be marked.
+    """
+    marker = f"{LAUNCH_ID_VARIABLE}={launch_id}".encode()
+    pipes = {f"pipe:[{inode}]" for inode in pipe_inodes}
+    me = os.getpid()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        if since_ticks is not None:
+            started = start_ticks(pid)
+            if started is None or started < since_ticks:
+                continue
+        if _has_marker(pid, marker) or _holds_any(pid, pipes):
+            found.append(pid)
+    _kill(found)
+    return found
+
+
+def _has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False  # gone, or another user's
+
+
+def _holds_any(pid: int, pipes: set[str]) -> bool:
+    if not pipes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in pipes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def start_ticks(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3 (state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,68 @@
+"""A spawned rank's side of the payload (see ``nblaunch.launch.payload``): read it from the
+control pipe and rebuild ``(function, args)``, mapping shared bytes privately (copy-on-write)."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+from typing import Any, Callable, NoReturn
+
+from nblaunch import wire
+
+
+def _map_private(owner: int, fd: int, size: int) -> mmap.mmap:
+    """The launcher's memfd ``fd``, mapped copy-on-write: writes here stay here."""
+    local = os.open(f"/proc/{owner}/fd/{fd}", os.O_RDONLY)
+    try:
+        return mmap.mmap(local, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(local)
+
+
+class _PayloadUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, buffers: list[Any]):
+        super().__init__(io.BytesIO(data), buffers=buffers)
+        self._storages: dict[tuple[int, int], Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        tag, owner, fd, size, dtype = pid
+        if tag != wire.SHARED_STORAGE:
+            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        import torch
+
+        untyped = self._storages.get((owner, fd))
+        if untyped is None:
+            # The tensor keeps the mapping alive (torch.frombuffer holds the buffer).
+            untyped = torch.frombuffer(_map_private(owner, fd, size), dtype=torch.uint8).untyped_storage()
+            self._storages[(owner, fd)] = untyped
+        if dtype is None:
+            return untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def load(data: bytes, buffers: list[tuple[int, int, int]]) -> tuple[Callable, tuple]:
+    """``(function, args)`` from a payload's pickle and its out-of-band buffers."""
+    views = [memoryview(_map_private(owner, fd, size)) for owner, fd, size in buffers]
+    return _PayloadUnpickler(data, views).load()
+
+
+def read(control_fd: int) -> tuple[Any, bytes, list[tuple[int, int, int]]]:
+    """``(settings, pickle, buffers)`` from the control pipe; exits if the launcher is gone."""
+    reader = wire.FrameReader()
+    head: tuple | None = None
+    while True:
+        chunk = os.read(control_fd, 1 << 20)
+        if not chunk:
+            _launcher_gone()
+        for kind, body in reader.feed(chunk):
+            if kind == wire.SPAWN_SETTINGS:
+                head = pickle.loads(body)
+            elif kind == wire.PAYLOAD and head is not None:
+                settings, buffers = head
+                return settings, body, buffers
+
+
+def _launcher_gone() -> NoReturn:
+    os._exit(1)  # the launcher went away before sending the work
