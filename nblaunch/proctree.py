@@ -82,14 +82,16 @@ def kill_tree(pid: int) -> None:
     _kill(below)
 
 
-def kill_marked(launch_id: str, pipe_inodes: set[int], since_ticks: int | None) -> list[int]:
+def kill_marked(launch_id: str, pipe_ends: set[tuple[int, str]], since_ticks: int | None) -> list[int]:
     """SIGKILL every process marked as the launch's (see above); return their pids.
 
     ``since_ticks`` (a start time in clock ticks since boot, as /proc/<pid>/stat field 22) skips
     older processes without reading anything else: only processes of the launch can be marked.
+    ``pipe_ends`` are (inode, "w" or "r") of the *ranks'* ends: a fork of the launcher's process
+    (the user's DataLoader worker) may hold the launcher's ends of the same pipes, never these.
     """
     marker = f"{LAUNCH_ID_VARIABLE}={launch_id}".encode()
-    pipes = {f"pipe:[{inode}]" for inode in pipe_inodes}
+    pipes = {f"pipe:[{inode}]": mode for inode, mode in pipe_ends}
     me = os.getpid()
     found = []
     try:
@@ -118,7 +120,7 @@ def _has_marker(pid: int, marker: bytes) -> bool:
         return False  # gone, or another user's
 
 
-def _holds_any(pid: int, pipes: set[str]) -> bool:
+def _holds_any(pid: int, pipes: dict[str, str]) -> bool:
     if not pipes:
         return False
     try:
@@ -127,11 +129,21 @@ def _holds_any(pid: int, pipes: set[str]) -> bool:
         return False
     for fd in fds:
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") in pipes:
+            mode = pipes.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            if mode is not None and _access_mode(pid, fd) == mode:
                 return True
         except OSError:
             continue
     return False
+
+
+def _access_mode(pid: int, fd: str) -> str:
+    """"r" or "w": how ``pid`` opened its descriptor ``fd`` (from /proc/<pid>/fdinfo)."""
+    with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+        for line in info:
+            if line.startswith("flags:"):
+                return "w" if int(line.split()[1], 8) & 0o3 == os.O_WRONLY else "r"
+    return "?"
 
 
 def start_ticks(pid: int) -> int | None:

@@ -18,13 +18,14 @@ ERROR = b"E"  # pickled RemoteFailure (see nblaunch.worker.bootstrap)
 METRICS = b"M"  # pickled (values, step)
 PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed)
 STACKS = b"S"  # utf-8 text: every thread's stack
+CLEANED = b"C"  # empty body: the process stopped everything it had started, and is leaving
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)
 DUMP_STACKS = b"D"  # empty body: please answer with a STACKS frame
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
-# (SHARED_STORAGE, launcher pid, fd, size, dtype). See nblaunch.launch.payload.
+# (SHARED_STORAGE, fd, size, dtype); the fd is inherited from the launcher. See nblaunch.launch.payload.
 SHARED_STORAGE = "nblaunch.shared-storage"
 
 

@@ -11,7 +11,7 @@ from nblaunch.launch import pickling
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.plan import LaunchPlan, make_plan
-from nblaunch.worker.inherited import forget_accelerate_state
+from nblaunch.worker.inherited import restore_accelerate_state, save_accelerate_state
 
 
 def notebook_launcher(
@@ -107,6 +107,9 @@ def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
     saved = {name: os.environ.get(name) for name in environ}
     dist = sys.modules.get("torch.distributed")
     had_group = bool(dist is not None and dist.is_available() and dist.is_initialized())
+    state = sys.modules.get("nblaunch.training.state")
+    ours = dict(state.PartialState._shared_state) if state is not None else {}
+    accelerates = save_accelerate_state()
     os.environ.update(environ)
     try:
         return function(*args)
@@ -116,10 +119,12 @@ def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        # The kernel's own states (an Accelerator made in a cell before) are as they were.
         state = sys.modules.get("nblaunch.training.state")
         if state is not None:
             state.reset_process_state()
-        forget_accelerate_state()  # as ours: the next launch starts from a clean state
+            state.PartialState._shared_state.update(ours)
+        restore_accelerate_state(accelerates)
         dist = sys.modules.get("torch.distributed")
         if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # the function's own group must not outlive the call

@@ -23,14 +23,14 @@ from typing import Any, Callable
 from nblaunch import proctree
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankFinished, RankStarted, RankState
-from nblaunch.launch import registry
+from nblaunch.launch import fdtable, registry
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.payload import Payload, package
 from nblaunch.launch.plan import LaunchPlan
 from nblaunch.launch.starting import environ_for_ranks, kill_and_reap, start_workers
 from nblaunch.launch.supervisor import Supervisor
-from nblaunch.launch.workers import WorkerProcess, close_launcher_fds, hold_launcher_fds
+from nblaunch.launch.workers import WorkerProcess
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -57,17 +57,19 @@ class Launch:
         self._cancel_requested = False
         self._rank_states: dict[int, RankState] = {}
         self._status = "starting"
+        self._pid = os.getpid()  # a fork of this process does not own the launch
+        self.launch_id = uuid.uuid4().hex
+        # First, on the caller's thread: the imports for the ranks touch os.environ, which a
+        # launch thread must never do, and may fail before anything is open or shown.
+        # Every process of the launch inherits the tag, whatever session it makes for itself.
+        self._inherited_environ = dict(environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: self.launch_id})
         for message in registry.stop_stale_ranks():
             print(f"nblaunch: {message}", file=sys.stderr)
         self.log_dir = new_log_dir()
         self._logs = LogFiles(self.log_dir, plan.num_processes)
-        # Made here, on the caller's thread: a widget shows itself in the launching cell, and the
-        # imports for the ranks touch os.environ, which a launch thread must never do.
+        # Made here, on the caller's thread: a widget shows itself in the launching cell.
         self._display = make_display(display, plan.num_processes)
         self._sink = Fanout(self._logs, self._display)
-        self.launch_id = uuid.uuid4().hex
-        # Every process of the launch inherits the tag, whatever session it makes for itself.
-        self._inherited_environ = dict(environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: self.launch_id})
 
     # ------------------------------------------------------------------ the handle
     @property
@@ -154,12 +156,11 @@ class Launch:
         try:
             if plan.start_method == "spawn":
                 payload = package(self._function, self._args)
-                hold_launcher_fds(payload.fds)
             workers = start_workers(plan, self._function, self._args, self._inherited_environ, payload)
             record = registry.LaunchRecord(
                 launch_id=self.launch_id, launcher_pid=os.getpid(), port=plan.master_port,
                 ranks=[(w.pid, registry.process_start_time(w.pid)) for w in workers], log_dir=self.log_dir,
-                pipes=[os.fstat(fd).st_ino for w in workers for fd in w.pipe_fds],
+                pipes=[end for w in workers for end in w.rank_pipe_ends()],
             )
             record.save()
             with self._lock:
@@ -185,11 +186,11 @@ class Launch:
             raise
         finally:
             if payload is not None:
-                close_launcher_fds(payload.fds)  # ranks that mapped the memory keep it
+                fdtable.close(payload.fds)  # ranks that mapped the memory keep it
             if workers and not (self._supervisor is not None and self._supervisor.ended_cleanly):
                 # A rank that was killed could not stop what it had started: find it by its tag.
                 since = min((start for _, start in record.ranks if start), default=None) if record else None
-                proctree.kill_marked(self.launch_id, set(record.pipes) if record else set(), since)
+                proctree.kill_marked(self.launch_id, {tuple(end) for end in record.pipes} if record else set(), since)
             if record is not None:
                 record.remove()
             self._sink.close()
@@ -225,17 +226,23 @@ _unfinished: "weakref.WeakSet[Launch]" = weakref.WeakSet()  # non-blocking launc
 
 @atexit.register
 def _stop_unfinished_launches() -> None:
-    for launch in list(_unfinished):
-        if launch.done():
-            continue
-        print(
-            f"nblaunch: the interpreter is exiting while the launch of {launch.plan.function_name} "
-            f"(block=False) still runs: stopping it. Its logs: {launch.log_dir}. To wait for it "
-            "instead, call launch.result() before the end.",
-            file=sys.stderr,
-        )
-        launch.cancel()
+    # Only in the process that started them (a fork of the kernel that exits normally inherits
+    # this list), all stopped at once: Jupyter kills a kernel a few seconds into its shutdown.
+    running = [launch for launch in list(_unfinished) if launch._pid == os.getpid() and not launch.done()]
+    for launch in running:
         try:
-            launch.result(timeout=_STOP_AT_EXIT_S)
+            print(
+                f"nblaunch: the interpreter is exiting while the launch of {launch.plan.function_name} "
+                f"(block=False) still runs: stopping it. Its logs: {launch.log_dir}. To wait for it "
+                "instead, call launch.result() before the end.",
+                file=sys.stderr,
+            )
+        except Exception:
+            pass  # a closed stream must not keep the launch running
+        launch.cancel()
+    deadline = time.monotonic() + _STOP_AT_EXIT_S
+    for launch in running:
+        try:
+            launch.result(timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:
             pass

@@ -4,7 +4,8 @@ Under fork every rank gets its own copy-on-write view of the notebook's memory. 
 same: big CPU tensor storages and out-of-band pickle buffers (numpy arrays) of at least
 ``_SHARE_MIN_BYTES`` are copied once into an anonymous memory file (memfd) instead of into the
 pickle, and each rank maps that file *privately* (see ``nblaunch.worker.payload``): it reads the
-same pages, and what it writes it writes to pages of its own. The notebook's objects are never
+same pages, and what it writes it writes to pages of its own. The memfds are passed to spawned
+ranks as inherited descriptors, so nothing depends on /proc/<launcher>/fd being openable. The notebook's objects are never
 touched, and nothing is left in /dev/shm; the pages are freed with the last rank mapping them.
 
 The launcher's peak memory is the objects plus one copy of their bytes (written with ``write``,
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from nblaunch import wire
+from nblaunch.launch import fdtable
 
 _SHARE_MIN_BYTES = 1 << 20
 _SHARE_MAX_FILES = 256  # the launcher keeps one descriptor open per shared object
@@ -34,16 +36,16 @@ class Payload:
     """What a spawned rank receives: the pickle, and where its shared bytes are."""
 
     data: bytes
-    buffers: list[tuple[int, int, int]] = field(default_factory=list)  # out-of-band: (pid, fd, size)
-    fds: list[int] = field(default_factory=list)  # the memfds; the launcher closes them at the end
+    buffers: list[tuple[int, int]] = field(default_factory=list)  # out-of-band buffers: (fd, size)
+    fds: list[int] = field(default_factory=list)  # the memfds; fdtable.close() them at the launch's end
 
 
 def _memfd_copy(view: memoryview) -> int:
-    fd = os.memfd_create("nblaunch-argument", os.MFD_CLOEXEC)
+    fd = fdtable.new_memfd("nblaunch-argument")
     try:
         wire.write_all(fd, view.cast("B"))
     except BaseException:
-        os.close(fd)
+        fdtable.close([fd])
         raise
     return fd
 
@@ -56,6 +58,7 @@ class _SharingPickler(cloudpickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=self._buffer)
         self._torch = sys.modules.get("torch")
         self._payload = payload
+        self._storage_fds: dict[tuple[int, int], int] = {}
 
     def _room(self, nbytes: int) -> bool:
         return nbytes >= _SHARE_MIN_BYTES and len(self._payload.fds) < _SHARE_MAX_FILES
@@ -67,7 +70,7 @@ class _SharingPickler(cloudpickle.Pickler):
             return True
         fd = _memfd_copy(view)
         self._payload.fds.append(fd)
-        self._payload.buffers.append((os.getpid(), fd, view.nbytes))
+        self._payload.buffers.append((fd, view.nbytes))
         return False
 
     def persistent_id(self, obj: Any):
@@ -81,15 +84,23 @@ class _SharingPickler(cloudpickle.Pickler):
         else:
             return None
         size = untyped.nbytes()
-        if untyped.device.type != "cpu" or not self._room(size):
+        if untyped.device.type != "cpu" or size == 0:
             return None
-        fd = _memfd_copy(memoryview((ctypes.c_char * size).from_address(untyped.data_ptr())))
-        self._payload.fds.append(fd)
-        return (wire.SHARED_STORAGE, os.getpid(), fd, size, dtype)
+        # Every view of a tensor reduces to a storage object of its own: one memfd per memory,
+        # so views of one tensor stay views of one tensor in the rank.
+        key = (untyped.data_ptr(), size)
+        fd = self._storage_fds.get(key)
+        if fd is None:
+            if not self._room(size):
+                return None
+            fd = _memfd_copy(memoryview((ctypes.c_char * size).from_address(untyped.data_ptr())))
+            self._payload.fds.append(fd)
+            self._storage_fds[key] = fd
+        return (wire.SHARED_STORAGE, fd, size, dtype)
 
 
 def package(function: Callable, args: tuple) -> Payload:
-    """The payload for ``function(*args)``; the caller closes ``payload.fds`` when the launch ends.
+    """The payload for ``function(*args)``; ``fdtable.close(payload.fds)`` when the launch ends.
 
     Example::
 
@@ -104,8 +115,7 @@ def package(function: Callable, args: tuple) -> Payload:
     try:
         _SharingPickler(out, payload).dump((function, args))
     except BaseException:
-        for fd in payload.fds:
-            os.close(fd)
+        fdtable.close(payload.fds)
         raise
     payload.data = out.getvalue()
     return payload

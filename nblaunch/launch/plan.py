@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import os
 import resource
 import sys
@@ -89,9 +90,10 @@ def _port(value: Any) -> int | None:
     if value is None:
         return None
     try:
-        # Accelerate's callers pass strings such as "29500"; 2.5 is no port (int() would say 2)
-        port = int(value) if isinstance(value, (int, str)) else -1
-    except ValueError:
+        # Accelerate's callers pass strings such as "29500"; numpy ints are ints; 2.5 is no port
+        # (int() would say 2)
+        port = int(value) if isinstance(value, str) else operator.index(value)
+    except (TypeError, ValueError):
         port = -1
     if isinstance(value, bool) or not 0 < port < 65536:
         raise LaunchConfigError(f"use_port must be a port number (1-65535) or None for a free port, got {value!r}")

@@ -24,8 +24,14 @@ def import_for_ranks(module: str) -> dict[str, str]:
     try:
         importlib.import_module(module)
     finally:
-        changed = {name: value for name, value in os.environ.items() if before.get(name) != value}
-        if changed or len(os.environ) != len(before):
-            os.environ.clear()
-            os.environ.update(before)
+        after = dict(os.environ)
+        changed = {name: value for name, value in after.items() if before.get(name) != value}
+        # Only what the import touched is put back: other threads read os.environ meanwhile.
+        for name in changed:
+            if name in before:
+                os.environ[name] = before[name]
+            else:
+                del os.environ[name]
+        for name in before.keys() - after.keys():
+            os.environ[name] = before[name]
     return changed

@@ -52,7 +52,7 @@ class LaunchRecord:
     port: int
     ranks: list[tuple[int, int | None]]  # (pid, start time) of each rank
     log_dir: str = ""  # never pruned while this record exists
-    pipes: list[int] = field(default_factory=list)  # inodes of the ranks' pipes (see nblaunch.proctree)
+    pipes: list[tuple[int, str]] = field(default_factory=list)  # the ranks' pipe ends (see nblaunch.proctree)
 
     @property
     def path(self) -> str:
@@ -139,12 +139,14 @@ def stop_stale_ranks() -> list[str]:
             with open(path) as f:
                 record = json.load(f)
             launcher_pid, launcher_start = record["launcher"]
+            ranks = [(int(pid), int(start) if start else None) for pid, start in record["ranks"]]
+            pipes = {(int(inode), str(mode)) for inode, mode in record.get("pipes") or []}
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours
         if _alive(launcher_pid, launcher_start):
             continue  # a live launch of another kernel: not ours to touch
         stopped = []
-        for pid, start in record["ranks"]:
+        for pid, start in ranks:
             stale = _stale_processes(pid, start)
             if stale:
                 try:
@@ -156,8 +158,10 @@ def stop_stale_ranks() -> list[str]:
                         except (ProcessLookupError, PermissionError):
                             pass
                 stopped += stale
-        starts = [start for _, start in record["ranks"] if start]
-        tagged = proctree.kill_marked(name[: -len(".json")], set(record.get("pipes", [])), min(starts) if starts else None)
+        starts = [start for _, start in ranks if start]
+        # Pipe inodes are reused over days: matched only among processes born since the launch.
+        since = min(starts) if starts else None
+        tagged = proctree.kill_marked(name[: -len(".json")], pipes if since else set(), since)
         stopped += [pid for pid in tagged if pid not in stopped]
         if stopped:
             messages.append(

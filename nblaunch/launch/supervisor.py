@@ -46,7 +46,7 @@ _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by pol
 _STACKS_ON_FAILURE_S = 0.05  # a healthy rank answers in milliseconds; the failure is what matters
 _STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
 _FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (GIL held in C)
-_FULL_REPORT_S = 1.0  # a failed rank's traceback follows its first report within milliseconds
+_FULL_REPORT_S = 1.0  # a failed rank sends its traceback and exits within milliseconds of its first report
 _REAP_BACKSTOP_S = 10.0
 _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arrive before the next read
 _COALESCE_BELOW = 64 * 1024
@@ -142,8 +142,8 @@ class Supervisor:
 
     @property
     def ended_cleanly(self) -> bool:
-        """Every process ran its bootstrap to the end, which stopped what it had started."""
-        return all(process.ended_cleanly for process in self._processes)
+        """Every process stopped what it had started before it left."""
+        return all(process.cleaned for process in self._processes)
 
     @property
     def stacks(self) -> dict[int, str]:
@@ -248,6 +248,8 @@ class Supervisor:
         elif kind == wire.STACKS:
             self._stacks[r] = body.decode("utf-8", "replace")
             self._emit(Stacks(rank=r, text=self._stacks[r]))
+        elif kind == wire.CLEANED:
+            rank.process.cleaned = True
 
     def _fail(self, rank: _Rank, failure: RankFailure, when: float | None = None) -> None:
         if rank.failure is None:
@@ -300,12 +302,13 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
             self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
-        # A failed rank whose traceback is still on its way gets a moment; the others stop now.
-        waiting = [r for r in self._live() if r.failure is not None and not r.report_complete]
+        # A failed rank gets a moment to send its traceback and leave by itself (stopping what it
+        # started, flushing C's buffers: often the best clue); the others stop now.
+        waiting = [r for r in self._live() if r.failure is not None]
         for process in self._live_processes():
             if not any(r.process is process for r in waiting):
                 process.kill()
-        self._pump_until(lambda: all(r.report_complete or r.finished for r in waiting), _FULL_REPORT_S)
+        self._pump_until(lambda: all(r.finished for r in waiting), _FULL_REPORT_S)
         for process in self._live_processes():
             process.kill()
 

@@ -22,6 +22,7 @@ from typing import Callable, NoReturn
 
 import nblaunch
 from nblaunch import proctree, wire
+from nblaunch.launch import fdtable
 from nblaunch.launch.payload import Payload
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.xla import RankEnds, run_host
@@ -35,11 +36,6 @@ warnings.filterwarnings("ignore", category=DeprecationWarning, module=re.escape(
 
 _F_SETPIPE_SZ = 1031  # Linux: bigger pipes mean fewer wake-ups for chatty ranks and big results
 _PIPE_SIZE = 1 << 20
-
-# Launcher-side ends of every live launch's pipes. A newly forked rank closes all of them, so a
-# pipe's EOF (and a rank's view of its launcher) never depends on an unrelated rank.
-_LAUNCHER_FDS: set[int] = set()
-_LAUNCHER_FDS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -76,6 +72,7 @@ class WorkerProcess:
     popen: subprocess.Popen | None = None  # spawned ranks only
     returncode: int | None = None
     killed_by_launcher: bool = False
+    cleaned: bool = False  # it said it stopped everything it had started (wire.CLEANED)
     _open_fds: list[int] = field(default_factory=list)
 
     def poll(self) -> int | None:
@@ -99,9 +96,12 @@ class WorkerProcess:
         return self.returncode
 
     def signal_group(self, signum: int) -> None:
-        """Signal the process and every process it started. Safe after reaping: a process
-        group's id is not reused while any member lives."""
-        for send in (lambda: os.killpg(self.pid, signum), lambda: os.kill(self.pid, signum)):
+        """Signal the process and every process of its group. Safe after reaping: a process
+        group's id is not reused while any member lives, and a reaped pid is never signalled."""
+        sends = [lambda: os.killpg(self.pid, signum)]
+        if self.returncode is None:
+            sends.append(lambda: os.kill(self.pid, signum))  # not yet reaped: the pid is still its own
+        for send in sends:
             try:
                 send()
                 return
@@ -116,25 +116,18 @@ class WorkerProcess:
         else:
             self.signal_group(signal.SIGKILL)
 
-    @property
-    def pipe_fds(self) -> list[int]:
-        """The launcher's ends of every pipe of the ranks it hosts."""
-        return [fd for r in self.ranks for fd in (r.stdout_fd, r.stderr_fd, r.event_fd, r.control_fd)]
-
-    @property
-    def ended_cleanly(self) -> bool:
-        """It ran the bootstrap to its end, which stopped whatever it had started."""
-        return not self.killed_by_launcher and self.returncode in (0, 1)
+    def rank_pipe_ends(self) -> list[tuple[int, str]]:
+        """(inode, "w" or "r") of the ranks' ends of their pipes: what a process the ranks
+        started may hold, and nothing of the launcher's side does (see nblaunch.proctree)."""
+        ends = []
+        for r in self.ranks:
+            ends += [(os.fstat(fd).st_ino, "w") for fd in (r.stdout_fd, r.stderr_fd, r.event_fd)]
+            ends.append((os.fstat(r.control_fd).st_ino, "r"))
+        return ends
 
     def close(self) -> None:
-        with _LAUNCHER_FDS_LOCK:
-            for fd in self._open_fds:
-                _LAUNCHER_FDS.discard(fd)
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._open_fds.clear()
+        fdtable.close(self._open_fds)
+        self._open_fds.clear()
 
 
 @dataclass
@@ -146,7 +139,7 @@ class _Pipes:
 
     @classmethod
     def open(cls) -> "_Pipes":
-        pipes = cls(os.pipe(), os.pipe(), os.pipe(), os.pipe())
+        pipes = cls(fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_pipe())
         for read_end, _ in (pipes.stdout, pipes.stderr, pipes.events):
             try:
                 fcntl.fcntl(read_end, _F_SETPIPE_SZ, _PIPE_SIZE)
@@ -164,19 +157,17 @@ class _Pipes:
 
 
 def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) -> WorkerProcess:
+    fdtable.close([fd for pipes in ranks.values() for fd in pipes.worker_ends])  # the worker has them
     for pipes in ranks.values():
-        for fd in pipes.worker_ends:
-            os.close(fd)
         for fd in (pipes.stdout[0], pipes.stderr[0], pipes.events[0]):
             os.set_blocking(fd, False)
     try:
         exit_fd = os.pidfd_open(pid)
+        fdtable.hold([exit_fd])
     except (AttributeError, OSError):
         exit_fd = None
     launcher_fds = [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
     launcher_fds += [exit_fd] if exit_fd is not None else []
-    with _LAUNCHER_FDS_LOCK:
-        _LAUNCHER_FDS.update(launcher_fds)
     return WorkerProcess(
         pid=pid,
         ranks=[
@@ -188,17 +179,23 @@ def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) 
     )
 
 
-def _fork(ranks: dict[int, _Pipes], child: Callable[[list[int]], NoReturn]) -> WorkerProcess:
-    """Fork a process that hosts ``ranks``; in it, ``child(launcher_fds)`` runs and never returns.
+def _fork(ranks: dict[int, _Pipes], child: Callable[[], NoReturn]) -> WorkerProcess:
+    """Fork a process that hosts ``ranks``; in it, ``child()`` runs and never returns.
 
-    ``launcher_fds`` are the launcher's ends of every live launch's pipes, for the child to close.
+    The child keeps only its own pipe ends (``fdtable``). SIGINT stays blocked in it until it
+    has a process group of its own: an interrupt sent to the kernel's group in between would
+    otherwise raise in the child, inside the launcher's code.
     """
-    with _LAUNCHER_FDS_LOCK:
-        launcher_fds = sorted(_LAUNCHER_FDS) + [fd for pipes in ranks.values() for fd in pipes.launcher_ends]
-    pid = os.fork()
-    if pid == 0:
-        _forget_launcher_fds()
-        child(launcher_fds)
+    own_ends = [fd for pipes in ranks.values() for fd in pipes.worker_ends]
+    with fdtable.forking(own_ends):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child()
+            finally:
+                os._exit(70)  # never back into the launcher's code, whatever happened
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
         os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
     except OSError:
@@ -206,38 +203,12 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[list[int]], NoReturn]) -> W
     return _handle(pid, ranks, popen=None)
 
 
-def hold_launcher_fds(fds: list[int]) -> None:
-    """Count ``fds`` (a spawn payload's memfds) among the launcher's own: forked ranks of any
-    launch close them, so their memory is freed when the launch that made them ends."""
-    with _LAUNCHER_FDS_LOCK:
-        _LAUNCHER_FDS.update(fds)
-
-
-def close_launcher_fds(fds: list[int]) -> None:
-    with _LAUNCHER_FDS_LOCK:
-        for fd in fds:
-            _LAUNCHER_FDS.discard(fd)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _forget_launcher_fds() -> None:
-    """In a forked child: the launcher's pipe ends it inherited are closed by ``child``, and
-    their numbers will be reused by the child's own files. A launch made inside the child must
-    not close those again, nor wait on a lock that another launcher thread held at the fork."""
-    global _LAUNCHER_FDS_LOCK
-    _LAUNCHER_FDS.clear()
-    _LAUNCHER_FDS_LOCK = threading.Lock()
-
-
 def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:
     """Fork one rank. The child shares the parent's memory (data sets are not copied)."""
     pipes = _Pipes.open()
     return _fork(
         {settings.rank: pipes},
-        lambda launcher_fds: run_forked(
+        lambda: run_forked(
             settings,
             function,
             args,
@@ -245,7 +216,6 @@ def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> W
             stderr_fd=pipes.stderr[1],
             event_fd=pipes.events[1],
             control_fd=pipes.control[0],
-            launcher_fds=launcher_fds,
         ),
     )
 
@@ -257,7 +227,7 @@ def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: i
     ranks = {rank: _Pipes.open() for rank in range(num_ranks)}
     ends = {rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()}
     parent = os.getpid()
-    return _fork(ranks, lambda launcher_fds: run_host(environ, parent, packed_function, ends, launcher_fds))
+    return _fork(ranks, lambda: run_host(environ, parent, packed_function, ends))
 
 
 def start_spawned(settings: WorkerSettings, payload: Payload, environ: dict[str, str]) -> WorkerProcess:
@@ -271,7 +241,7 @@ def start_spawned(settings: WorkerSettings, payload: Payload, environ: dict[str,
         stdin=subprocess.DEVNULL,
         stdout=pipes.stdout[1],
         stderr=pipes.stderr[1],
-        pass_fds=(pipes.control[0], pipes.events[1]),
+        pass_fds=(pipes.control[0], pipes.events[1], *payload.fds),  # memfds: mapped by their numbers
         env=env,
         start_new_session=True,  # a process group of its own, like a forked rank
     )

@@ -51,13 +51,12 @@ def run_forked(
     stderr_fd: int,
     event_fd: int,
     control_fd: int,
-    launcher_fds: list[int],
 ) -> NoReturn:
     """Entry point in a freshly forked child. Never returns into the launcher's code."""
     try:
         with RankGuard(event_fd, stderr_fd) as guard:
             guard.step = reports.JOINING
-            settle_forked_child(settings.parent_pid, launcher_fds)
+            settle_forked_child(settings.parent_pid)
             guard.step = reports.ATTACHING
             attach_streams(stdout_fd, stderr_fd)
             guard.stderr_fd = 2
@@ -65,22 +64,19 @@ def run_forked(
             _set_up_rank(settings, event_fd)
             guard.step = reports.REPORTING
             code = serve(function, args, control_fd, event_fd)
-            leave_cleanly()
+            leave_cleanly(event_fd)
         os._exit(code)
     finally:
         os._exit(70)  # reached only if the guard itself could not end the rank
 
 
-def settle_forked_child(parent_pid: int, launcher_fds: list[int]) -> None:
-    """First steps of any process the launcher forks: a process group of its own, death with
-    the launcher, and none of the launcher's pipe ends (holding them would hide EOFs)."""
+def settle_forked_child(parent_pid: int) -> None:
+    """First steps of any process the launcher forks: a process group of its own (then SIGINT,
+    blocked across the fork, may come in), and death with the launcher. The launcher's other
+    descriptors were closed at the fork (``nblaunch.launch.fdtable``)."""
     os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     lifeline.die_with_parent(parent_pid)
-    for fd in launcher_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def main_spawned(argv: list[str]) -> NoReturn:
@@ -101,7 +97,7 @@ def main_spawned(argv: list[str]) -> NoReturn:
             _set_up_rank(settings, event_fd)
             guard.step = reports.REPORTING
             code = serve(function, args, control_fd, event_fd)
-            leave_cleanly()
+            leave_cleanly(event_fd)
         os._exit(code)
     finally:
         os._exit(70)
@@ -122,10 +118,14 @@ def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     prepare_process()
 
 
-def leave_cleanly() -> None:
-    """Before the rank exits: stop every process it started (a helper in a session of its own
-    would outlive it) and flush what is buffered."""
+def leave_cleanly(event_fd: int) -> None:
+    """Before the process exits: stop every process it started (a helper in a session of its own
+    would outlive it), tell the launcher so (it then needs no search), flush what is buffered."""
     proctree.kill_descendants(os.getpid())
+    try:
+        channel.send(wire.CLEANED, b"", fd=event_fd)  # under the channel's lock: frames never interleave
+    except OSError:
+        pass  # the launcher is gone
     flush_streams()
 
 

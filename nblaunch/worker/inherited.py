@@ -3,7 +3,8 @@
 A rank forked from a kernel where Hugging Face Accelerate already ran (an ``Accelerator()`` in a
 cell, a one-process launch, ``TrainingArguments``) would reuse that process's state: a single,
 non-distributed one, so its ``Accelerator`` would not join the launch's process group.
-Accelerate's own launcher refuses to start then; a forked rank simply starts without it.
+Accelerate's own launcher refuses to start then; a forked rank simply starts without it. A
+one-process launch runs in the kernel itself: the kernel's own state is put back after it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,31 @@ import sys
 _ACCELERATE_STATE_CLASSES = ("AcceleratorState", "PartialState", "GradientState")
 
 
-def forget_accelerate_state() -> None:
-    """Empty Accelerate's shared ("Borg") state dicts, if Accelerate is loaded at all."""
+def _shared_states() -> list[dict]:
     module = sys.modules.get("accelerate.state")
-    if module is None:
-        return
+    found = []
     for name in _ACCELERATE_STATE_CLASSES:
         shared = getattr(getattr(module, name, None), "_shared_state", None)
         if isinstance(shared, dict):
-            shared.clear()
+            found.append(shared)
+    return found
+
+
+def forget_accelerate_state() -> None:
+    """Empty Accelerate's shared ("Borg") state dicts, if Accelerate is loaded at all."""
+    for shared in _shared_states():
+        shared.clear()
+
+
+def save_accelerate_state() -> list[tuple[dict, dict]]:
+    """What Accelerate's state holds now, for ``restore_accelerate_state``."""
+    return [(shared, dict(shared)) for shared in _shared_states()]
+
+
+def restore_accelerate_state(saved: list[tuple[dict, dict]]) -> None:
+    """Put back what ``save_accelerate_state`` saw (Accelerate may have been imported since:
+    its state is then emptied)."""
+    for shared in _shared_states():
+        shared.clear()
+    for shared, contents in saved:
+        shared.update(contents)

@@ -12,43 +12,48 @@ from typing import Any, Callable, NoReturn
 from nblaunch import wire
 
 
-def _map_private(owner: int, fd: int, size: int) -> mmap.mmap:
-    """The launcher's memfd ``fd``, mapped copy-on-write: writes here stay here."""
-    local = os.open(f"/proc/{owner}/fd/{fd}", os.O_RDONLY)
-    try:
-        return mmap.mmap(local, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(local)
+def _map_private(fd: int, size: int) -> mmap.mmap:
+    """The memfd ``fd`` the launcher passed down, mapped copy-on-write: writes here stay here."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 class _PayloadUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, buffers: list[Any]):
         super().__init__(io.BytesIO(data), buffers=buffers)
-        self._storages: dict[tuple[int, int], Any] = {}
+        self._storages: dict[int, Any] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        tag, owner, fd, size, dtype = pid
+        tag, fd, size, dtype = pid
         if tag != wire.SHARED_STORAGE:
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         import torch
 
-        untyped = self._storages.get((owner, fd))
+        untyped = self._storages.get(fd)
         if untyped is None:
             # The tensor keeps the mapping alive (torch.frombuffer holds the buffer).
-            untyped = torch.frombuffer(_map_private(owner, fd, size), dtype=torch.uint8).untyped_storage()
-            self._storages[(owner, fd)] = untyped
+            untyped = torch.frombuffer(_map_private(fd, size), dtype=torch.uint8).untyped_storage()
+            self._storages[fd] = untyped
         if dtype is None:
             return untyped
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
-def load(data: bytes, buffers: list[tuple[int, int, int]]) -> tuple[Callable, tuple]:
-    """``(function, args)`` from a payload's pickle and its out-of-band buffers."""
-    views = [memoryview(_map_private(owner, fd, size)) for owner, fd, size in buffers]
-    return _PayloadUnpickler(data, views).load()
+def load(data: bytes, buffers: list[tuple[int, int]]) -> tuple[Callable, tuple]:
+    """``(function, args)`` from a payload's pickle and its out-of-band buffers. The memfds are
+    closed afterwards: the mappings keep their memory."""
+    views = [memoryview(_map_private(fd, size)) for fd, size in buffers]
+    unpickler = _PayloadUnpickler(data, views)
+    try:
+        return unpickler.load()
+    finally:
+        for fd in {fd for fd, _ in buffers} | set(unpickler._storages):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
-def read(control_fd: int) -> tuple[Any, bytes, list[tuple[int, int, int]]]:
+def read(control_fd: int) -> tuple[Any, bytes, list[tuple[int, int]]]:
     """``(settings, pickle, buffers)`` from the control pipe; exits if the launcher is gone."""
     reader = wire.FrameReader()
     head: tuple | None = None

@@ -93,13 +93,19 @@ class _TooBig(Exception):
     pass
 
 
-class _BoundedPickler(cloudpickle.Pickler):
-    """Gives up as soon as the pickle would pass ``_EXCEPTION_MAX_BYTES``, before serialising a
-    big tensor or array at all."""
+class _BoundedBuffer(io.BytesIO):
+    """Refuses to grow past ``_EXCEPTION_MAX_BYTES``: a big bytes object or list is never
+    copied whole, the pickler stops at its first write past the limit."""
 
-    def __init__(self, out: io.BytesIO):
-        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
-        self._out = out
+    def write(self, data) -> int:
+        if self.tell() + memoryview(data).nbytes > _EXCEPTION_MAX_BYTES:
+            raise _TooBig
+        return super().write(data)
+
+
+class _BoundedPickler(cloudpickle.Pickler):
+    """Gives up before serialising a big tensor or array at all (their bytes would be made in
+    memory first, then written)."""
 
     def reducer_override(self, obj: Any) -> Any:
         nbytes = getattr(obj, "nbytes", None)  # numpy arrays, torch tensors and storages
@@ -107,18 +113,14 @@ class _BoundedPickler(cloudpickle.Pickler):
             nbytes = nbytes()
         if isinstance(nbytes, int) and nbytes > _EXCEPTION_MAX_BYTES:
             raise _TooBig
-        if self._out.tell() > _EXCEPTION_MAX_BYTES:
-            raise _TooBig
         return super().reducer_override(obj)
 
 
 def _pickled_exception(error: BaseException) -> bytes | None:
     """The exception, pickled, if it is small and can be rebuilt; else None."""
-    out = io.BytesIO()
+    out = _BoundedBuffer()
     try:
-        _BoundedPickler(out).dump(error)
-        if out.tell() > _EXCEPTION_MAX_BYTES:
-            return None
+        _BoundedPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(error)
         pickled = out.getvalue()
         pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
         return pickled

@@ -77,14 +77,13 @@ def run_host(
     parent_pid: int,
     packed_function: bytes,
     ranks: dict[int, RankEnds],
-    launcher_fds: list[int],
 ) -> NoReturn:
     """Entry point of the forked host process. Never returns into the launcher's code."""
     first = ranks[min(ranks)]
     try:
         # A failure before xmp.spawn is reported as the first rank's.
         with RankGuard(first.events, first.stderr) as guard:
-            bootstrap.settle_forked_child(parent_pid, launcher_fds)
+            bootstrap.settle_forked_child(parent_pid)
             guard.step = reports.ATTACHING
             attach_streams(os.dup(first.stdout), os.dup(first.stderr))
             guard.stderr_fd = 2
@@ -100,7 +99,7 @@ def run_host(
         except BaseException:  # a rank's own failure was already reported by its DeviceEntry
             traceback.print_exc()
             code = 1
-        bootstrap.leave_cleanly()
+        bootstrap.leave_cleanly(first.events)
         os._exit(code)
     finally:
         os._exit(70)

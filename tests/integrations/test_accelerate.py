@@ -81,9 +81,16 @@ def test_an_accelerator_made_in_the_kernel_first_does_not_stop_the_ranks_joining
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_a_one_process_launch_leaves_no_accelerate_state_in_the_kernel():
-    from accelerate.state import PartialState
+def test_a_one_process_launch_leaves_the_kernels_accelerate_state_as_it_was():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
 
     [result] = notebook_launcher(accelerate_loop, num_processes=1, display="none")
     assert result["num_processes"] == 1 and result["steps"] == NUM_EXAMPLES // BATCH
-    assert PartialState._shared_state == {}
+    assert PartialState._shared_state == {}  # none before, none after
+    kernels = Accelerator()  # made in a cell before the launch
+    try:
+        notebook_launcher(accelerate_loop, num_processes=1, display="none")
+        assert kernels.device.type == "cpu" and kernels.num_processes == 1  # still usable
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

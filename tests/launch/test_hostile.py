@@ -47,12 +47,18 @@ def raises_with_400_mb():
     raise CarriesATensor(torch.zeros(100 * 2**20))  # 400 MB
 
 
-def test_an_exception_carrying_400_mb_still_sends_its_traceback():
+def raises_with_200_mb_of_bytes():
+    raise CarriesATensor(b"x" * (200 * 2**20))
+
+
+@pytest.mark.parametrize("raises", [raises_with_400_mb, raises_with_200_mb_of_bytes])
+def test_an_exception_carrying_hundreds_of_mb_still_sends_its_traceback(raises):
     with pytest.raises(RankFailedError) as info:
-        notebook_launcher(raises_with_400_mb, num_processes=2, display="none")
+        notebook_launcher(raises, num_processes=2, display="none")
     root = info.value.root_cause
     assert root.reason == "CarriesATensor: carries a big tensor"  # not "stopped before it could send..."
-    assert "raise CarriesATensor(torch.zeros(100 * 2**20))" in root.traceback
+    assert f"in {raises.__name__}" in root.traceback
+    assert not isinstance(root.exception, CarriesATensor)  # too big to ship: its type and text stand in
 
 
 def raises_with_a_surrogate():
@@ -118,6 +124,8 @@ KILLED_LAUNCHER = textwrap.dedent("""
 def test_a_launcher_killed_mid_launch_leaves_every_line_it_had_in_the_logs():
     launcher = subprocess.Popen([sys.executable, "-c", KILLED_LAUNCHER], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
+    backstop = threading.Timer(120, launcher.kill)  # never wait on its output for ever
+    backstop.start()
     log_dir, seen = None, 0
     for line in launcher.stdout:
         if "logs in " in line:
@@ -127,6 +135,8 @@ def test_a_launcher_killed_mid_launch_leaves_every_line_it_had_in_the_logs():
             break
     launcher.kill()  # as the OOM killer kills a kernel
     launcher.wait()
+    backstop.cancel()
+    assert seen == 80, "the launcher did not print every rank's lines"
     for rank in (0, 1):
         text = open(os.path.join(log_dir, f"rank{rank}.log")).read()
         assert [f"line {i}" for i in range(40)] == text.splitlines()[:40]

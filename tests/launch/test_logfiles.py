@@ -23,6 +23,10 @@ def test_pruning_never_removes_a_running_launchs_logs(tmp_path, monkeypatch):
     flag = tmp_path / "finish"
     launch = notebook_launcher(waits_for, args=(str(flag),), num_processes=2, display="none", block=False)
     try:
+        deadline = time.monotonic() + 60
+        while launch.status != "running":  # running: its record, naming the folder, is saved
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         root = os.path.dirname(launch.log_dir)
         old = time.time() - 3600
         os.utime(launch.log_dir, (old, old))  # as old as any: only its record protects it

@@ -149,11 +149,11 @@ def start_rank_with_closed(closed: list[str], recorder) -> RankFailedError:
     pipes = _Pipes.open()
     settings = WorkerSettings(rank=0, environ={}, threads=None, parent_pid=os.getpid(), sys_path=list(sys.path))
 
-    def child(launcher_fds):
+    def child():
         for name in closed:
             os.close(getattr(pipes, name)[1])
         run_forked(settings, never_runs, (), stdout_fd=pipes.stdout[1], stderr_fd=pipes.stderr[1],
-                   event_fd=pipes.events[1], control_fd=pipes.control[0], launcher_fds=launcher_fds)
+                   event_fd=pipes.events[1], control_fd=pipes.control[0])
 
     worker = _fork({0: pipes}, child)
     with pytest.raises(RankFailedError) as info:

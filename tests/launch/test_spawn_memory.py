@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import notebook_launcher
-from nblaunch.launch import payload
+from nblaunch.launch import fdtable, payload
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfds")
 
@@ -72,13 +72,29 @@ def test_an_in_place_edit_in_one_rank_changes_nothing_elsewhere(start_method):
     assert float(tensor.sum()) == 0.0 and float(array.sum()) == 0.0, "the notebook's data changed"
 
 
+def _write_through_a_view(whole, view):
+    view[0] = 7.0
+    return float(whole[1])
+
+
+def test_views_of_one_tensor_stay_views_of_one_tensor_in_a_spawned_rank():
+    whole = torch.zeros(1 << 20)
+    packed = payload.package(len, (whole, whole[1:], whole[2:]))
+    try:
+        assert len(packed.fds) == 1, "each view was copied on its own"
+    finally:
+        fdtable.close(packed.fds)
+    results = notebook_launcher(_write_through_a_view, args=(whole, whole[1:]), num_processes=2,
+                                start_method="spawn", display="none")
+    assert results == [7.0, 7.0] and float(whole[1]) == 0.0
+
+
 def test_the_payload_carries_references_not_the_bytes():
     packed = payload.package(len, (torch.zeros(1 << 20), np.zeros(1 << 18)))
     try:
         assert len(packed.data) < 64 * 1024 and len(packed.fds) == 2
     finally:
-        for fd in packed.fds:
-            os.close(fd)
+        fdtable.close(packed.fds)
     small = payload.package(len, (torch.zeros(16),))
     assert small.fds == [] and len(small.data) < 64 * 1024
 
