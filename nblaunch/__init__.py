@@ -30,7 +30,8 @@ _TRAINING_NAMES = {
     "Accelerator", "PartialState", "GradientState", "DistributedType", "set_seed", "skip_first_batches",
     # Accelerate's configuration classes, so scripts that import them keep working
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
-    "GradientAccumulationPlugin", "AutocastKwargs",
+    "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
+    "DDPCommunicationHookType",
 }
 
 
@@ -55,6 +56,9 @@ __all__ = [
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "AutocastKwargs",
+    "InitProcessGroupKwargs",
+    "ProfileKwargs",
+    "DDPCommunicationHookType",
     "debug_launcher",
     "Launch",
     "progress",

@@ -18,9 +18,10 @@ from nblaunch.launch.preimport import import_for_ranks
 # it, and a kernel's first launch reaches its first training step in milliseconds.
 import_for_ranks("torch._dynamo")
 
-from nblaunch.training.accelerator import (Accelerator, AutocastKwargs, DataLoaderConfiguration,
-                                           DistributedDataParallelKwargs, GradientAccumulationPlugin,
-                                           GradScalerKwargs)
+from nblaunch.training.accelerator import Accelerator
+from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
+                                      DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
+                                      InitProcessGroupKwargs, ProfileKwargs)
 from nblaunch.training.data import skip_first_batches
 from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gather_object,
                                    pad_across_processes, reduce, send_to_device)
@@ -30,7 +31,8 @@ from nblaunch.training.state import DistributedType, GradientState, PartialState
 __all__ = [
     "Accelerator", "PartialState", "GradientState", "DistributedType", "reset_process_state",
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
-    "GradientAccumulationPlugin", "AutocastKwargs", "set_seed", "skip_first_batches",
+    "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
+    "DDPCommunicationHookType", "set_seed", "skip_first_batches",
     "gather", "gather_object", "reduce", "pad_across_processes", "broadcast",
     "broadcast_object_list", "send_to_device",
 ]

@@ -29,14 +29,18 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from nblaunch.training import ops
+from nblaunch.training import ops, placement
+from nblaunch.training.accumulation import Accumulate
+from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
+                                      GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
+                                      ProfileKwargs, adopt)
+from nblaunch.training.ddp import wrap_ddp
 from nblaunch.training.data import PreparedDataLoader, prepare_data_loader, skip_first_batches
 from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.precision import (AutocastForward, autocast_dtype, check_supported,
@@ -44,65 +48,7 @@ from nblaunch.training.precision import (AutocastForward, autocast_dtype, check_
 from nblaunch.training.state import DistributedType, GradientState, PartialState
 from nblaunch.worker import channel
 
-__all__ = ["Accelerator", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-           "GradScalerKwargs", "GradientAccumulationPlugin", "AutocastKwargs"]
-
-
-# -- configuration objects (Accelerate's names, the fields that mean something here) -------------
-
-@dataclass
-class DataLoaderConfiguration:
-    """How ``prepare`` shards DataLoaders. ``non_blocking`` copies batches asynchronously (CUDA)."""
-
-    split_batches: bool = False
-    even_batches: bool = True
-    non_blocking: bool = False
-    use_seedable_sampler: bool = True  # accepted for compatibility: shuffling is always seeded
-
-
-class _KwargsHandler:
-    def to_kwargs(self) -> dict[str, Any]:
-        """The fields that differ from their defaults."""
-        default = type(self)()
-        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
-                if getattr(self, f.name) != getattr(default, f.name)}
-
-
-@dataclass
-class DistributedDataParallelKwargs(_KwargsHandler):
-    """Arguments for ``torch.nn.parallel.DistributedDataParallel``."""
-
-    dim: int = 0
-    broadcast_buffers: bool = True
-    bucket_cap_mb: int = 25
-    find_unused_parameters: bool = False
-    check_reduction: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-
-@dataclass
-class GradScalerKwargs(_KwargsHandler):
-    """Arguments for ``torch.amp.GradScaler`` (fp16)."""
-
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    enabled: bool = True
-
-
-@dataclass
-class AutocastKwargs(_KwargsHandler):
-    enabled: bool = True
-    cache_enabled: bool | None = None
-
-
-@dataclass
-class GradientAccumulationPlugin:
-    num_steps: int = 1
-    adjust_scheduler: bool = True
-    sync_with_dataloader: bool = True
+__all__ = ["Accelerator"]
 
 
 # Accelerate arguments for features nblaunch does not have: refused when actually used.
@@ -111,45 +57,6 @@ _UNSUPPORTED = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_
 # Accelerate arguments that are accepted and have no effect here.
 _IGNORED = ("log_with", "project_config", "rng_types", "dispatch_batches", "downcast_bf16",
             "logging_dir")
-
-
-class _Accumulate:
-    """The context of ``accelerator.accumulate(model)``; a class, not a generator, to stay cheap."""
-
-    __slots__ = ("gs", "models", "stack")
-
-    def __init__(self, gs: GradientState, models: tuple) -> None:
-        self.gs = gs
-        self.models = models
-        self.stack: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> None:
-        gs = self.gs
-        if gs.num_steps == 1:  # no accumulation: every micro-step syncs
-            gs.sync_gradients = True
-            return
-        if gs.sync_with_dataloader and gs._loaders and gs._loaders[-1].end_of_dataloader:
-            gs.step = 0  # the dataloader ends: sync whatever has been accumulated
-            gs.sync_gradients = True
-            return
-        gs.step += 1
-        if gs.step >= gs.num_steps:
-            gs.step = 0
-            gs.sync_gradients = True
-            return
-        gs.sync_gradients = False
-        stack = None
-        for model in self.models:
-            if isinstance(model, DistributedDataParallel):
-                if stack is None:
-                    stack = contextlib.ExitStack()
-                stack.enter_context(model.no_sync())
-        self.stack = stack
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.stack is not None:
-            stack, self.stack = self.stack, None
-            stack.close()
 
 
 class Accelerator:
@@ -199,38 +106,46 @@ class Accelerator:
                     raise NotImplementedError(f"Accelerator({name}=...) is not supported by nblaunch")
             elif name not in _IGNORED:
                 raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}")
-        self.state = PartialState(cpu=cpu)
+        handlers = [adopt(h) for h in kwargs_handlers or ()]  # Accelerate's own objects too
+        group = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+        self.state = PartialState(cpu=cpu, **_group_arguments(group))
         self.device: torch.device = self.state.device
         self.device_placement = device_placement
         self.mixed_precision: str = resolve_mixed_precision(mixed_precision)
         check_supported(self.mixed_precision, self.device)
         self._autocast_dtype = autocast_dtype(self.mixed_precision)
 
-        config = dataloader_config or DataLoaderConfiguration()
+        config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
+        _refuse_unsupported(config)
         if split_batches is not None:
             config.split_batches = split_batches
         if even_batches is not None:
             config.even_batches = even_batches
         self.dataloader_config = config
 
-        self.ddp_kwargs: dict[str, Any] = {}
+        self.ddp_options = DistributedDataParallelKwargs()
         scaler_kwargs: dict[str, Any] = {}
         self.autocast_kwargs: dict[str, Any] = {}
-        for handler in kwargs_handlers or ():
+        self.profile_options = ProfileKwargs()
+        for handler in handlers:
             if isinstance(handler, DistributedDataParallelKwargs):
-                self.ddp_kwargs = handler.to_kwargs()
+                self.ddp_options = handler
             elif isinstance(handler, GradScalerKwargs):
                 scaler_kwargs = handler.to_kwargs()
             elif isinstance(handler, AutocastKwargs):
                 self.autocast_kwargs = handler.to_kwargs()
-            else:
+            elif isinstance(handler, ProfileKwargs):
+                self.profile_options = handler
+            elif not isinstance(handler, InitProcessGroupKwargs):
                 raise TypeError(f"unsupported kwargs handler {type(handler).__name__}")
 
+        self.sync_each_batch = False
         if gradient_accumulation_plugin is not None:
+            plugin = adopt(gradient_accumulation_plugin)
             if gradient_accumulation_steps != 1:
                 raise ValueError("give gradient_accumulation_steps or gradient_accumulation_plugin, not both")
-            steps, sync_with_dataloader = (gradient_accumulation_plugin.num_steps,
-                                           gradient_accumulation_plugin.sync_with_dataloader)
+            steps, sync_with_dataloader = plugin.num_steps or 1, plugin.sync_with_dataloader
+            self.sync_each_batch = plugin.sync_each_batch
         else:
             steps, sync_with_dataloader = gradient_accumulation_steps, True
         if steps < 1:
@@ -250,7 +165,7 @@ class Accelerator:
         self._custom_objects: list[Any] = []
         self._trigger = False
         self.trackers: list[Any] = []
-        self._accumulate_context: _Accumulate | None = None
+        self._accumulate_context: Accumulate | None = None
 
     # -- process state --------------------------------------------------------------------------
 
@@ -346,10 +261,10 @@ class Accelerator:
         for i in models:
             results[i] = self.prepare_model(args[i], device_placement=device_placement[i])
         if before:
-            moved = _moved_parameters(before, [results[i] for i in models])
+            moved = placement.moved_parameters(before, [results[i] for i in models])
             for obj in args:
                 if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
-                    _switch_parameters(obj, moved)
+                    placement.switch_parameters(obj, moved)
         for i, (obj, place) in enumerate(zip(args, device_placement)):
             if not isinstance(obj, torch.nn.Module) and not _is_scheduler(obj):
                 results[i] = self._prepare_one(obj, place)
@@ -377,13 +292,12 @@ class Accelerator:
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement:
-            model = _move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
+            model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
         if self._autocast_dtype is not None and not isinstance(model.__dict__.get("forward"), AutocastForward):
             model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
         if (self.num_processes > 1 and not evaluation_mode and not self._on_xla
                 and any(p.requires_grad for p in model.parameters())):
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+            model = wrap_ddp(model, self.device, self.ddp_options)
         self._models.append(model)
         return model
 
@@ -404,7 +318,7 @@ class Accelerator:
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement and self._on_xla:
-            _check_on_xla(optimizer)
+            placement.check_on_xla(optimizer)
         if device_placement and self.device.type != "cpu" and optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())  # moves existing state to the params' device
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler, on_xla=self._on_xla)
@@ -459,7 +373,7 @@ class Accelerator:
         else:
             loss.backward(**kwargs)
 
-    def accumulate(self, *models: torch.nn.Module) -> _Accumulate:
+    def accumulate(self, *models: torch.nn.Module) -> Accumulate:
         """Context for one micro-step of gradient accumulation.
 
         Sets ``sync_gradients``: True every ``gradient_accumulation_steps`` micro-steps and on the
@@ -470,7 +384,7 @@ class Accelerator:
         if cached is not None and cached.stack is None and len(cached.models) == len(models) and all(
                 a is b for a, b in zip(cached.models, models)):
             return cached  # the same models as last step: no new object per step
-        cached = self._accumulate_context = _Accumulate(self.gradient_state, models)
+        cached = self._accumulate_context = Accumulate(self.gradient_state, models, self.sync_each_batch)
         return cached
 
     @contextlib.contextmanager
@@ -725,64 +639,26 @@ class Accelerator:
     clear = free_memory
 
 
-def _move_keeping_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model.to(device)``, with parameters shared between modules still shared afterwards.
-
-    Moving to XLA makes a new ``Parameter`` per place a tensor is used, so tied weights (an
-    embedding and its output layer) would train apart.
-    """
-    places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            places.setdefault(id(param), []).append((module, name))
-    model = model.to(device)
-    for shared in places.values():
-        first_module, first_name = shared[0]
-        for module, name in shared[1:]:
-            setattr(module, name, getattr(first_module, first_name))
-    return model
+def _refuse_unsupported(config: DataLoaderConfiguration) -> None:
+    """DataLoaderConfiguration options nblaunch does not do yet: an error, never a silent difference."""
+    wanted = {"dispatch_batches": config.dispatch_batches is True, "data_seed": config.data_seed is not None,
+              "use_stateful_dataloader": config.use_stateful_dataloader}
+    for name, asked in wanted.items():
+        if asked:
+            raise NotImplementedError(f"DataLoaderConfiguration({name}=...) is not supported by nblaunch yet")
 
 
-def _moved_parameters(before: list[dict[str, torch.nn.Parameter]],
-                      after: list[torch.nn.Module]) -> dict[int, torch.nn.Parameter]:
-    """``id(old parameter) -> new parameter`` for models whose parameters were replaced.
-
-    Moving a model to an XLA device makes new ``Parameter`` objects (a CPU and an XLA tensor
-    cannot share one), so an optimizer made before still points at the CPU ones.
-    """
-    moved = {}
-    for old, model in zip(before, after):
-        new = dict(model.named_parameters())
-        for name, param in old.items():
-            if name in new and new[name] is not param:
-                moved[id(param)] = new[name]
-    return moved
-
-
-def _switch_parameters(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> None:
-    """Point ``optimizer`` (its groups and its state) at the moved parameters.
-
-    Example::
-
-        moved = _moved_parameters([dict(model.named_parameters())], [model.to(xla_device)])
-        _switch_parameters(optimizer, moved)
-    """
-    if not moved:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [moved.get(id(p), p) for p in group["params"]]
-    for old in [p for p in optimizer.state if id(p) in moved]:
-        optimizer.state[moved[id(old)]] = optimizer.state.pop(old)
-
-
-def _check_on_xla(optimizer: torch.optim.Optimizer) -> None:
-    stray = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.device.type != "xla"]
-    if stray:
-        raise ValueError(
-            f"the optimizer holds {len(stray)} parameter(s) that are not on the XLA device (shapes "
-            f"{stray[:3]}): moving a model to XLA makes new parameters. Prepare the model and its "
-            "optimizer in one call, accelerator.prepare(model, optimizer, ...), or create the "
-            "optimizer after preparing the model.")
+def _group_arguments(group: InitProcessGroupKwargs | None) -> dict[str, Any]:
+    """PartialState's arguments from Accelerate's InitProcessGroupKwargs: its timeout, and its
+    backend where it was chosen (its default, nccl, only means "the device's own")."""
+    if group is None:
+        return {}
+    arguments: dict[str, Any] = {}
+    if group.timeout is not None:
+        arguments["timeout"] = group.timeout
+    if group.backend not in (None, "nccl"):
+        arguments["backend"] = group.backend
+    return arguments
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -31,7 +31,11 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
-class ShapeMismatchError(ValueError):
+class DistributedOperationException(Exception):
+    """A collective was called with inputs that differ between ranks (Accelerate's name)."""
+
+
+class ShapeMismatchError(DistributedOperationException, ValueError):
     """Tensors handed to a collective differ in shape or dtype between ranks."""
 
 
@@ -158,19 +162,23 @@ def gather_object(obj: Any) -> list:
     return parts
 
 
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Sum (``"sum"``) or average (``"mean"``) tensors over processes; the input is not changed."""
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', not {reduction!r}")
+    """Sum, average, maximum or minimum (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) of tensors
+    over processes, element-wise; the input is not changed."""
+    if reduction not in ("sum", "mean", "max", "min", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean', 'max', 'min' or 'none', not {reduction!r}")
     state = PartialState()
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if reduction != "none" and _on_xla(state):
-            out = xla.all_reduce_sum(t)
+            out = xla.all_reduce(_REDUCE_OPS[reduction], t)
         else:
             out = t.clone()
             if state.num_processes > 1 and reduction != "none":
-                dist.all_reduce(out, op=dist.ReduceOp.SUM)
+                dist.all_reduce(out, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]))
         if reduction == "mean" and state.num_processes > 1:
             out /= state.num_processes
         if scale != 1.0:

@@ -53,6 +53,17 @@ class DistributedType(str, enum.Enum):
     MULTI_CPU = "MULTI_CPU"  # several processes, gloo
     MULTI_GPU = "MULTI_GPU"  # several processes, one CUDA device each, nccl
     XLA = "XLA"  # XLA devices (TPU) through torch_xla, one thread per device
+    # Never nblaunch's own state: here so that code comparing against them runs unchanged.
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    MEGATRON_LM = "MEGATRON_LM"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -269,6 +280,14 @@ class PartialState:
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Destroy ``group``, or (None) the process group this state made, and forget the state;
+        a group nblaunch adopted is left alone. As in Accelerate, call it at the end."""
+        if group is not None:
+            dist.destroy_process_group(group)
+        else:
+            reset_process_state()
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:

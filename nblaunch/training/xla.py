@@ -70,10 +70,15 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     return _xm().all_gather(tensor, dim=0)
 
 
+def all_reduce(op: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor: ``op`` ("SUM", "MAX" or "MIN") of ``tensor`` over all ranks."""
+    xm = _xm()
+    return xm.all_reduce(getattr(xm, f"REDUCE_{op}"), tensor)
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """A new tensor: the sum of ``tensor`` over all ranks."""
-    xm = _xm()
-    return xm.all_reduce(xm.REDUCE_SUM, tensor)
+    return all_reduce("SUM", tensor)
 
 
 def broadcast_(tensor: torch.Tensor, from_process: int) -> torch.Tensor:

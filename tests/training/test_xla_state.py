@@ -14,7 +14,7 @@ import torch
 
 from nblaunch.training import DistributedType, PartialState
 from nblaunch.training import xla as xla_backend
-from nblaunch.training.accelerator import _move_keeping_ties, _moved_parameters, _switch_parameters
+from nblaunch.training.placement import move_keeping_ties, moved_parameters, switch_parameters
 from nblaunch.training.precision import check_supported
 
 
@@ -93,7 +93,7 @@ def test_an_optimizer_follows_its_parameters_when_the_model_gets_new_ones():
     # What moving to an XLA device does: new Parameter objects under the same names.
     model.weight = torch.nn.Parameter(model.weight.detach().clone())
     model.bias = torch.nn.Parameter(model.bias.detach().clone())
-    _switch_parameters(optimizer, _moved_parameters(before, [model]))
+    switch_parameters(optimizer, moved_parameters(before, [model]))
     params = optimizer.param_groups[0]["params"]
     assert params[0] is model.weight and params[1] is model.bias
     assert model.weight in optimizer.state and old_weight not in optimizer.state
@@ -109,7 +109,7 @@ def test_tied_weights_stay_tied_when_moving_makes_new_parameters():
     meta = torch.device("meta")  # like XLA, a device that gets new Parameter objects
     plain = tied().to(meta)
     assert plain[1].weight is not plain[0].weight  # what a plain .to() does
-    moved = _move_keeping_ties(tied(), meta)
+    moved = move_keeping_ties(tied(), meta)
     assert moved[1].weight is moved[0].weight and moved[0].weight.device == meta
 
 

@@ -1,0 +1,145 @@
+"""Accelerate's API that real code calls, with real ranks: its own configuration objects,
+DDP communication hooks, sync_each_batch, reduce max/min, destroy_process_group, the
+``nblaunch.utils`` / ``nblaunch.logging`` modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+
+
+def _accelerates_objects():
+    from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
+                                  GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs)
+
+    from nblaunch import Accelerator
+
+    accelerator = Accelerator(
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True),
+                         GradScalerKwargs(init_scale=1024.0), InitProcessGroupKwargs()],
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2),
+        mixed_precision="fp16",
+    )
+    model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    return {
+        "find_unused": model.find_unused_parameters,
+        "scale": accelerator.scaler.get_scale(),
+        "split": accelerator.split_batches,
+        "steps": accelerator.gradient_accumulation_steps,
+    }
+
+
+def test_accelerates_own_configuration_objects_are_accepted_by_their_fields(launch):
+    for result in launch(_accelerates_objects):
+        assert result == {"find_unused": True, "scale": 1024.0, "split": True, "steps": 2}
+
+
+def _train_with_hook(hook, wrapper):
+    from nblaunch import Accelerator, DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    torch.manual_seed(0)
+    options = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(hook),
+                                            comm_wrapper=DDPCommunicationHookType(wrapper))
+    accelerator = Accelerator(kwargs_handlers=[options])
+    model = accelerator.prepare(torch.nn.Linear(8, 8))
+    rank = accelerator.process_index
+    model(torch.full((4, 8), float(rank + 1))).sum().backward()
+    return model.module.weight.grad.clone()
+
+
+@pytest.mark.parametrize("hook, wrapper", [("fp16", "no"), ("power_sgd", "no"), ("power_sgd", "fp16"),
+                                           ("batched_power_sgd", "fp16")])  # bf16: torch needs NCCL
+def test_ddp_communication_hooks_average_the_gradients(launch, hook, wrapper):
+    g0, g1 = launch(_train_with_hook, hook, wrapper)
+    torch.testing.assert_close(g0, g1)  # every rank ends with the same (compressed) average
+    reference = torch.full((8, 8), 4 * 1.5)  # d(sum(W x))/dW = sum over the batch of x, averaged
+    tolerance = 0.6 if "power_sgd" in hook else 0.05  # PowerSGD approximates by a low-rank matrix
+    assert (g0 - reference).abs().max() < tolerance * reference.max()
+
+
+def _grads_while_accumulating(sync_each_batch):
+    from nblaunch import Accelerator, GradientAccumulationPlugin
+
+    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=2, sync_each_batch=sync_each_batch))
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(2, 1, bias=False))
+    with accelerator.accumulate(model):  # the first micro-step: no optimizer step yet
+        model(torch.full((1, 2), float(accelerator.process_index + 1))).sum().backward()
+    return accelerator.sync_gradients, model.module.weight.grad.clone()
+
+
+def test_sync_each_batch_all_reduces_every_micro_step(launch):
+    (sync0, g0), (sync1, g1) = launch(_grads_while_accumulating, True)
+    assert not sync0 and not sync1  # the optimizer still waits
+    torch.testing.assert_close(g0, g1)  # but the gradients were averaged already
+    (_, g0), (_, g1) = launch(_grads_while_accumulating, False)
+    assert not torch.equal(g0, g1)  # no_sync: each rank keeps its own until the last micro-step
+
+
+def _reductions():
+    from nblaunch import PartialState
+    from nblaunch.utils import reduce
+
+    state = PartialState()
+    value = torch.tensor([float(state.process_index), 5.0 - state.process_index])
+    out = {kind: reduce(value, kind).tolist() for kind in ("sum", "mean", "max", "min")}
+    state.destroy_process_group()
+    import torch.distributed as dist
+
+    out["group_left"] = dist.is_initialized()
+    return out
+
+
+def test_reduce_max_and_min_and_destroy_process_group(launch):
+    for r in launch(_reductions):
+        assert r == {"sum": [1.0, 9.0], "mean": [0.5, 4.5], "max": [1.0, 5.0], "min": [0.0, 4.0],
+                     "group_left": False}
+
+
+def _logs():
+    from nblaunch.logging import get_logger
+
+    logger = get_logger("nblaunch-test", log_level="INFO")
+    logger.info("main only")
+    logger.info("every rank", main_process_only=False)
+    logger.info("in order", main_process_only=False, in_order=True)
+
+
+def test_get_logger_logs_once_or_from_every_rank(recorder):
+    import logging
+
+    from nblaunch import notebook_launcher
+
+    logging.getLogger("nblaunch-test").addHandler(logging.StreamHandler())  # as a user would
+    try:
+        notebook_launcher(_logs, num_processes=2, display=recorder)
+    finally:
+        logging.getLogger("nblaunch-test").handlers.clear()
+    assert recorder.lines(0, "stderr") == ["main only", "every rank", "in order"]
+    assert recorder.lines(1, "stderr") == ["every rank", "in order"]
+
+
+def test_distributed_type_has_the_members_code_compares_against():
+    from nblaunch import DistributedType
+
+    for name in ("DEEPSPEED", "FSDP", "MULTI_NPU", "MULTI_XPU", "MULTI_HPU", "MEGATRON_LM"):
+        assert getattr(DistributedType, name).value == name
+
+
+def test_find_executable_batch_size_halves_after_out_of_memory():
+    from nblaunch.utils import find_executable_batch_size
+
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size
+
+    assert train() == 16 and tried == [64, 32, 16]
