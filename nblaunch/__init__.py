@@ -31,7 +31,8 @@ _TRAINING_NAMES = {
     # Accelerate's configuration classes, so scripts that import them keep working
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
-    "DDPCommunicationHookType",
+    "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
+    "DataLoaderDispatcher",
 }
 
 
@@ -59,6 +60,10 @@ __all__ = [
     "InitProcessGroupKwargs",
     "ProfileKwargs",
     "DDPCommunicationHookType",
+    "AcceleratorState",
+    "prepare_data_loader",
+    "SeedableRandomSampler",
+    "DataLoaderDispatcher",
     "debug_launcher",
     "Launch",
     "progress",

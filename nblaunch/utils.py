@@ -22,8 +22,9 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                                       InitProcessGroupKwargs, ProfileKwargs)
 from nblaunch.training.data import skip_first_batches
-from nblaunch.training.ops import (DistributedOperationException, broadcast, broadcast_object_list, gather,
-                                   gather_object, pad_across_processes, recursively_apply, reduce, send_to_device)
+from nblaunch.training.ops import (DistributedOperationException, broadcast, broadcast_object_list,
+                                   copy_tensor_to_devices, gather, gather_object, pad_across_processes,
+                                   recursively_apply, reduce, send_to_device)
 from nblaunch.training.seed import set_seed, synchronize_rng_states
 from nblaunch.training.state import DistributedType
 
@@ -31,7 +32,7 @@ __all__ = [
     "AutocastKwargs", "DataLoaderConfiguration", "DDPCommunicationHookType", "DistributedDataParallelKwargs",
     "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DistributedType", "DistributedOperationException",
-    "broadcast", "broadcast_object_list", "gather", "gather_object", "pad_across_processes", "recursively_apply",
+    "broadcast", "broadcast_object_list", "copy_tensor_to_devices", "gather", "gather_object", "pad_across_processes", "recursively_apply",
     "reduce", "send_to_device", "set_seed", "synchronize_rng_states", "skip_first_batches",
     "find_executable_batch_size", "release_memory",
     "is_bf16_available", "is_fp16_available", "is_cuda_available", "is_mps_available", "is_xpu_available",

@@ -26,10 +26,13 @@ from nblaunch.training.data import skip_first_batches
 from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gather_object,
                                    pad_across_processes, reduce, send_to_device)
 from nblaunch.training.seed import set_seed
-from nblaunch.training.state import DistributedType, GradientState, PartialState, reset_process_state
+from nblaunch.training.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
+from nblaunch.training.state import (AcceleratorState, DistributedType, GradientState, PartialState,
+                                     reset_process_state)
 
 __all__ = [
-    "Accelerator", "PartialState", "GradientState", "DistributedType", "reset_process_state",
+    "Accelerator", "PartialState", "AcceleratorState", "GradientState", "DistributedType", "reset_process_state",
+    "prepare_data_loader", "SeedableRandomSampler", "DataLoaderDispatcher",
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "set_seed", "skip_first_batches",

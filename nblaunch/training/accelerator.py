@@ -35,13 +35,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from nblaunch.training import ops, placement
+from nblaunch.training import ops, placement, uneven
 from nblaunch.training.accumulation import Accumulate
 from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
-                                      ProfileKwargs, adopt)
+                                      ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.ddp import wrap_ddp
-from nblaunch.training.data import PreparedDataLoader, prepare_data_loader, skip_first_batches
+from nblaunch.training.data import PreparedDataLoader, shard_data_loader, skip_first_batches
 from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.precision import (AutocastForward, autocast_dtype, check_supported,
                                          make_grad_scaler, resolve_mixed_precision)
@@ -74,6 +74,10 @@ class Accelerator:
         even_batches: shortcut for ``dataloader_config.even_batches``.
         step_scheduler_with_optimizer: prepared schedulers advance only after a real optimizer
             step (True) or at every ``step()`` call (False).
+        step_scheduler_per_process: after a real optimizer step a prepared scheduler steps once
+            per process (True, Accelerate's behaviour: a schedule sized from the unprepared
+            loader's length ends with the data) or once (False: 2 processes x batch b then train
+            exactly like 1 process x batch 2b). With ``split_batches`` it steps once either way.
         kwargs_handlers: :class:`DistributedDataParallelKwargs`, :class:`GradScalerKwargs`,
             :class:`AutocastKwargs`.
         gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin`.
@@ -94,6 +98,7 @@ class Accelerator:
         cpu: bool = False,
         dataloader_config: DataLoaderConfiguration | None = None,
         step_scheduler_with_optimizer: bool = True,
+        step_scheduler_per_process: bool = True,
         kwargs_handlers: Iterable[Any] | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         even_batches: bool | None = None,
@@ -116,7 +121,7 @@ class Accelerator:
         self._autocast_dtype = autocast_dtype(self.mixed_precision)
 
         config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
-        _refuse_unsupported(config)
+        refuse_unsupported(config)
         if split_batches is not None:
             config.split_batches = split_batches
         if even_batches is not None:
@@ -156,6 +161,7 @@ class Accelerator:
         if self.mixed_precision == "fp16":
             self.scaler = make_grad_scaler(self.device, **scaler_kwargs)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.step_scheduler_per_process = step_scheduler_per_process
         self.project_dir = os.fspath(project_dir) if project_dir is not None else None
 
         self._models: list[torch.nn.Module] = []
@@ -336,8 +342,10 @@ class Accelerator:
         if isinstance(target, AcceleratedOptimizer):
             target = target.optimizer
         optimizers = [opt for opt in self._optimizers if opt.optimizer is target] or list(self._optimizers)
+        per_process = self.step_scheduler_per_process and not self.split_batches
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state,
-                                       step_with_optimizer=self.step_scheduler_with_optimizer)
+                                       step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       steps_per_optimizer_step=self.num_processes if per_process else 1)
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -349,7 +357,7 @@ class Accelerator:
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
-        prepared = prepare_data_loader(
+        prepared = shard_data_loader(
             data_loader, num_processes=self.num_processes, process_index=self.process_index,
             device=self.device if device_placement else None, gradient_state=self.gradient_state,
             split_batches=config.split_batches, even_batches=config.even_batches,
@@ -386,6 +394,16 @@ class Accelerator:
             return cached  # the same models as last step: no new object per step
         cached = self._accumulate_context = Accumulate(self.gradient_state, models, self.sync_each_batch)
         return cached
+
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Any:
+        """Context: ranks that run out of batches keep answering the others' collectives
+        (torch's ``Join`` over DDP models); ``even_batches`` overrides the prepared loaders'."""
+        distributed = self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        return uneven.join_uneven_inputs(joinables, self._dataloaders, distributed, even_batches)
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Any:
+        """Context: the next backward of ``model`` all-reduces, even in an accumulating step."""
+        return uneven.trigger_sync_in_backward(model)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
@@ -637,15 +655,6 @@ class Accelerator:
         return tuple(None for _ in objects)
 
     clear = free_memory
-
-
-def _refuse_unsupported(config: DataLoaderConfiguration) -> None:
-    """DataLoaderConfiguration options nblaunch does not do yet: an error, never a silent difference."""
-    wanted = {"dispatch_batches": config.dispatch_batches is True, "data_seed": config.data_seed is not None,
-              "use_stateful_dataloader": config.use_stateful_dataloader}
-    for name, asked in wanted.items():
-        if asked:
-            raise NotImplementedError(f"DataLoaderConfiguration({name}=...) is not supported by nblaunch yet")
 
 
 def _group_arguments(group: InitProcessGroupKwargs | None) -> dict[str, Any]:

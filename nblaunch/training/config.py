@@ -21,7 +21,7 @@ from typing import Any
 __all__ = [
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs", "AutocastKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "GradientAccumulationPlugin", "DDPCommunicationHookType",
-    "adopt",
+    "adopt", "refuse_unsupported",
 ]
 
 
@@ -164,3 +164,12 @@ def adopt(obj: Any) -> Any:
                 value = DDPCommunicationHookType(getattr(value, "value", value))
             values[f.name] = value
     return ours(**values)
+
+
+def refuse_unsupported(config: DataLoaderConfiguration) -> None:
+    """DataLoaderConfiguration options nblaunch does not do yet: an error, never a silent difference."""
+    wanted = {"dispatch_batches": config.dispatch_batches is True, "data_seed": config.data_seed is not None,
+              "use_stateful_dataloader": config.use_stateful_dataloader}
+    for name, asked in wanted.items():
+        if asked:
+            raise NotImplementedError(f"DataLoaderConfiguration({name}=...) is not supported by nblaunch yet")

@@ -36,12 +36,13 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler,
                               SequentialSampler)
+from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.distributed import DistributedSampler
 
 from nblaunch.training import xla
 from nblaunch.training.ops import send_to_device
 
-__all__ = ["ShardedBatchSampler", "IterableDatasetShard", "PreparedDataLoader", "prepare_data_loader",
+__all__ = ["ShardedBatchSampler", "IterableDatasetShard", "PreparedDataLoader", "shard_data_loader",
            "skip_first_batches"]
 
 
@@ -549,7 +550,7 @@ def _shared_seed(generator: torch.Generator | None, num_processes: int, device: 
     return seed
 
 
-def prepare_data_loader(loader: DataLoader, *, num_processes: int, process_index: int,
+def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: int,
                         device: torch.device | None, gradient_state: Any,
                         split_batches: bool = False, even_batches: bool = True,
                         non_blocking: bool = False,
@@ -586,6 +587,11 @@ def prepare_data_loader(loader: DataLoader, *, num_processes: int, process_index
                                   drop_last=loader.drop_last, **common, **kwargs)
 
     batch_sampler = loader.batch_sampler
+    if batch_sampler is None and isinstance(loader.sampler, BatchSampler):
+        # DataLoader(sampler=BatchSampler(...), batch_size=None): the sampler makes the batches.
+        batch_sampler = loader.sampler
+        if kwargs["collate_fn"] is default_convert:
+            kwargs["collate_fn"] = default_collate  # batches of samples, collated as torch would
     if batch_sampler is None:
         raise ValueError("prepare() needs a batched DataLoader (batch_size or batch_sampler set)")
     sampler = getattr(batch_sampler, "sampler", None)

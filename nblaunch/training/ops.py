@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nblaunch.training import xla
 from nblaunch.training.state import DistributedType, PartialState
 
-__all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast",
+__all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast", "copy_tensor_to_devices",
            "broadcast_object_list", "recursively_apply", "send_to_device", "concatenate",
            "ShapeMismatchError"]
 
@@ -254,3 +254,18 @@ def concatenate(parts: list[Any], dim: int = 0) -> Any:
     if isinstance(first, dict):
         return type(first)({k: concatenate([p[k] for p in parts], dim) for k in first})
     raise TypeError(f"cannot concatenate {type(first).__name__}")
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor that exactly one process holds (the others pass None), on every process; the
+    others need not know its shape or dtype."""
+    state = PartialState()
+    if state.num_processes == 1:
+        return tensor
+    described = gather_object([None if tensor is None else (tuple(tensor.shape), tensor.dtype)])
+    holders = [i for i, d in enumerate(described) if d is not None]
+    if len(holders) != 1:
+        raise ValueError(f"copy_tensor_to_devices needs the tensor on exactly one process, got {len(holders)}")
+    shape, dtype = described[holders[0]]
+    out = tensor.to(state.device) if tensor is not None else torch.zeros(shape, dtype=dtype, device=state.device)
+    return broadcast(out, from_process=holders[0])

@@ -145,26 +145,38 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Wraps an LR scheduler so it advances once per real optimizer step.
+    """Wraps an LR scheduler so it advances with real optimizer steps, as Accelerate's does.
 
-    With ``step_with_optimizer=False`` every ``step()`` goes straight through.
+    After each real optimizer step it steps ``steps_per_optimizer_step`` times: the number of
+    processes by default (unless batches are split), so a schedule sized from the unprepared
+    DataLoader's length ends with the data, as under Accelerate; 1 makes the schedule follow
+    optimizer steps (``Accelerator(step_scheduler_per_process=False)``). With
+    ``step_with_optimizer=False`` every ``step()`` goes straight through.
     """
 
     def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer],
-                 gradient_state: GradientState, step_with_optimizer: bool = True) -> None:
+                 gradient_state: GradientState, step_with_optimizer: bool = True,
+                 steps_per_optimizer_step: int = 1) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
+        self.steps_per_optimizer_step = steps_per_optimizer_step
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.step_with_optimizer:
-            if not self.gradient_state.sync_gradients:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            return
+        for opt in self.optimizers:
+            if opt._step_was_skipped:
                 return
-            for opt in self.optimizers:
-                if opt._step_was_skipped:
-                    return
-        self.scheduler.step(*args, **kwargs)
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past it
+        for _ in range(self.steps_per_optimizer_step):
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()

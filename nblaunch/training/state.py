@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from nblaunch.training import xla
 
-__all__ = ["DistributedType", "PartialState", "GradientState", "reset_process_state"]
+__all__ = ["DistributedType", "PartialState", "AcceleratorState", "GradientState", "reset_process_state"]
 
 # The launch variables; a state built under other values (or in another pid) is stale.
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
@@ -351,6 +351,22 @@ class PartialState:
         return wrapper
 
 
+class AcceleratorState(PartialState):
+    """Accelerate's ``AcceleratorState``: the same shared process state, plus the launch's mixed
+    precision. (In nblaunch, settings such as mixed precision belong to each ``Accelerator``.)"""
+
+    @property
+    def mixed_precision(self) -> str:
+        value = os.environ.get("NBLAUNCH_MIXED_PRECISION") or os.environ.get("ACCELERATE_MIXED_PRECISION")
+        return (value or "no").lower()
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's reset; the process state goes with ``reset_partial_state=True``."""
+        if reset_partial_state:
+            reset_process_state()
+
+
 class GradientState:
     """Gradient-accumulation bookkeeping of one Accelerator (not shared between Accelerators).
 
@@ -367,6 +383,10 @@ class GradientState:
         self.step = 0  # micro-steps since the last sync
         self._loaders: list[Any] = []  # prepared DataLoaders being iterated, innermost last
         self.sync_with_dataloader = sync_with_dataloader
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's reset of its shared gradient state; here each Accelerator has its own."""
 
     @property
     def active_dataloader(self) -> Any:

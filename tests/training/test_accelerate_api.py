@@ -143,3 +143,64 @@ def test_find_executable_batch_size_halves_after_out_of_memory():
         return batch_size
 
     assert train() == 16 and tried == [64, 32, 16]
+
+
+def _uneven_join():
+    from torch.utils.data import DataLoader
+
+    from nblaunch import Accelerator, DataLoaderConfiguration
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
+    model = accelerator.prepare(torch.nn.Linear(1, 1))
+    loader = accelerator.prepare(DataLoader(torch.arange(5.0).reshape(5, 1), batch_size=1))  # 3 and 2 batches
+    batches = 0
+    with accelerator.join_uneven_inputs([model]):
+        for x in loader:
+            model(x).sum().backward()  # DDP's all-reduce: the rank that ran out joins instead of leaving
+            batches += 1
+    with accelerator.join_uneven_inputs([model], even_batches=True):
+        evened = sum(1 for _ in loader)
+    return batches, evened
+
+
+def test_join_uneven_inputs_lets_a_rank_with_fewer_batches_finish(launch):
+    assert launch(_uneven_join) == [(3, 3), (2, 3)]
+
+
+def _data_loader_functions():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+    from torch.utils.data._utils.collate import default_collate
+
+    from nblaunch import AcceleratorState, SeedableRandomSampler, prepare_data_loader
+    from nblaunch.utils import copy_tensor_to_devices
+
+    state = AcceleratorState()
+    data = torch.arange(8.0)
+    plain = prepare_data_loader(DataLoader(data, batch_size=2), state.device, state.num_processes,
+                                state.process_index)
+    batch_sampler = BatchSampler(SequentialSampler(data), batch_size=2, drop_last=False)
+    as_sampler = prepare_data_loader(DataLoader(data, sampler=batch_sampler, batch_size=None,
+                                                collate_fn=default_collate))
+    sampler = SeedableRandomSampler(range(6), data_seed=3)
+    orders = [list(sampler), list(sampler)]
+    sampler.set_epoch(0)
+    copied = copy_tensor_to_devices(torch.tensor([4.0, 5.0]) if state.process_index == 1 else None)
+    return {
+        "plain": [b.tolist() for b in plain],
+        "as_sampler": [b.tolist() for b in as_sampler],
+        "epochs_differ": orders[0] != orders[1],
+        "replayed": list(sampler) == orders[0],
+        "orders": orders[0],
+        "copied": copied.tolist(),
+        "mixed_precision": state.mixed_precision,
+    }
+
+
+def test_accelerates_data_loader_functions_under_their_names(launch):
+    r0, r1 = launch(_data_loader_functions)
+    assert r0["plain"] == [[0.0, 1.0], [4.0, 5.0]] and r1["plain"] == [[2.0, 3.0], [6.0, 7.0]]
+    assert r0["as_sampler"] == r0["plain"] and r1["as_sampler"] == r1["plain"]
+    for r in (r0, r1):
+        assert r["epochs_differ"] and r["replayed"] and r["copied"] == [4.0, 5.0]
+        assert r["mixed_precision"] == "no"
+    assert r0["orders"] == r1["orders"]  # the seed, not the rank, decides the order

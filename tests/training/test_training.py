@@ -23,7 +23,9 @@ def _model():
 
 def train(batch_size, accumulation=1, epochs=2, mixed_precision="no", lr=0.1):
     set_seed(0)
-    acc = Accelerator(gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision)
+    # One scheduler step per optimizer step: then 2 x b trains exactly like 1 x 2b.
+    acc = Accelerator(gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision,
+                      step_scheduler_per_process=False)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
