@@ -15,6 +15,7 @@ _PRUNE_AT = 40  # ...and older ones removed in batches, not one at every launch
 
 
 _YOUNG_S = 600  # a folder made this recently may belong to a launch not yet recorded
+_STAMP = "%Y%m%d-%H%M%S"
 
 
 def new_log_dir() -> str:
@@ -23,19 +24,15 @@ def new_log_dir() -> str:
     os.makedirs(root, mode=0o700, exist_ok=True)
     old = sorted(os.listdir(root))
     if len(old) >= _PRUNE_AT:
-        live = registry.live_log_dirs()  # any kernel's running launches: never pruned
-        for name in old[: len(old) - _KEEP_LAUNCHES + 1]:
+        # Names start with their creation time: no stat per folder on a launch's path.
+        cutoff = time.strftime(_STAMP, time.localtime(time.time() - _YOUNG_S))
+        candidates = [name for name in old[: len(old) - _KEEP_LAUNCHES + 1] if name[: len(cutoff)] < cutoff]
+        live = registry.live_log_dirs() if candidates else set()  # any kernel's running launches
+        for name in candidates:
             path = os.path.join(root, name)
-            if path not in live and not _young(path):
+            if path not in live:
                 shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root)
-
-
-def _young(path: str) -> bool:
-    try:
-        return time.time() - os.stat(path).st_mtime < _YOUNG_S
-    except OSError:
-        return False
+    return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=root)
 
 
 class LogFiles:

@@ -9,6 +9,7 @@ be re-pointed is reported in the rank's log, never allowed to stop the rank.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -85,6 +86,11 @@ def flush_streams() -> None:
         except Exception:
             pass
     try:
-        ctypes.CDLL(None).fflush(None)
+        _libc().fflush(None)
     except Exception:
         pass
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)  # looked up once; forked ranks inherit it

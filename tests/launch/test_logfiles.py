@@ -28,12 +28,9 @@ def test_pruning_never_removes_a_running_launchs_logs(tmp_path, monkeypatch):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         root = os.path.dirname(launch.log_dir)
-        old = time.time() - 3600
-        os.utime(launch.log_dir, (old, old))  # as old as any: only its record protects it
-        finished = [logfiles.new_log_dir() for _ in range(60)]  # launches of other kernels
-        for path in finished:
-            os.utime(path, (old, old))
-        logfiles.new_log_dir()
+        monkeypatch.setattr(logfiles, "_YOUNG_S", -3600)  # every folder counts as old: only records protect
+        for _ in range(60):  # launches of other kernels, finished
+            logfiles.new_log_dir()
         assert os.path.isdir(launch.log_dir)
         assert len(os.listdir(root)) <= logfiles._PRUNE_AT, "old folders were not pruned"
         assert launch.logs(0) == ""
