@@ -60,11 +60,7 @@ def run_forked(
             guard.step = reports.ATTACHING
             attach_streams(stdout_fd, stderr_fd)
             guard.stderr_fd = 2
-            guard.step = reports.SETTING_UP
-            _set_up_rank(settings, event_fd)
-            guard.step = reports.REPORTING
-            code = serve(function, args, control_fd, event_fd)
-            leave_cleanly(event_fd)
+            code = _run_rank(guard, settings, function, args, event_fd, control_fd)
         os._exit(code)
     finally:
         os._exit(70)  # reached only if the guard itself could not end the rank
@@ -93,14 +89,21 @@ def main_spawned(argv: list[str]) -> NoReturn:
             settings, data, buffers = payload.read(control_fd)
             sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
             function, args = payload.load(data, buffers)
-            guard.step = reports.SETTING_UP
-            _set_up_rank(settings, event_fd)
-            guard.step = reports.REPORTING
-            code = serve(function, args, control_fd, event_fd)
-            leave_cleanly(event_fd)
+            code = _run_rank(guard, settings, function, args, event_fd, control_fd)
         os._exit(code)
     finally:
         os._exit(70)
+
+
+def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, args: tuple,
+              event_fd: int, control_fd: int) -> int:
+    """What forked and spawned ranks do alike once they can run: set up, serve, clean up."""
+    guard.step = reports.SETTING_UP
+    _set_up_rank(settings, event_fd)
+    guard.step = reports.REPORTING
+    code = serve(function, args, control_fd, event_fd)
+    leave_cleanly(event_fd)
+    return code
 
 
 def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
