@@ -53,7 +53,8 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill(pids: list[int]) -> None:
+def kill_pids(pids: list[int]) -> None:
+    """SIGKILL each of ``pids``; those already gone (or not ours) are skipped."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -67,7 +68,7 @@ def kill_descendants(pid: int) -> None:
         below = [p for p in descendants(pid) if not _is_zombie(p)]
         if not below:
             return
-        _kill(below)
+        kill_pids(below)
 
 
 def kill_tree(pid: int) -> None:
@@ -79,7 +80,7 @@ def kill_tree(pid: int) -> None:
             break
         except (ProcessLookupError, PermissionError):
             continue
-    _kill(below)
+    kill_pids(below)
 
 
 def kill_marked(launch_id: str, pipe_ends: set[tuple[int, str]], since_ticks: int | None) -> list[int]:
@@ -108,7 +109,7 @@ def kill_marked(launch_id: str, pipe_ends: set[tuple[int, str]], since_ticks: in
                 continue
         if _has_marker(pid, marker) or _holds_any(pid, pipes):
             found.append(pid)
-    _kill(found)
+    kill_pids(found)
     return found
 
 
@@ -146,19 +147,25 @@ def _access_mode(pid: int, fd: str) -> str:
     return "?"
 
 
-def start_ticks(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (state) on, split; None if the process is gone. The name
+    (field 2) is skipped: it may hold spaces and parentheses."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3 (state)
-    except (OSError, IndexError, ValueError):
+            return stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
+    fields = stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else None  # field 22 of stat(5)
+    except (IndexError, ValueError):
         return None
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return True
+    fields = stat_fields(pid)
+    return not fields or fields[0] == b"Z"

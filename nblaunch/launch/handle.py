@@ -159,7 +159,7 @@ class Launch:
             workers = start_workers(plan, self._function, self._args, self._inherited_environ, payload)
             record = registry.LaunchRecord(
                 launch_id=self.launch_id, launcher_pid=os.getpid(), port=plan.master_port,
-                ranks=[(w.pid, registry.process_start_time(w.pid)) for w in workers], log_dir=self.log_dir,
+                ranks=[(w.pid, proctree.start_ticks(w.pid)) for w in workers], log_dir=self.log_dir,
                 pipes=[end for w in workers for end in w.rank_pipe_ends()],
             )
             record.save()
@@ -188,9 +188,11 @@ class Launch:
             if payload is not None:
                 fdtable.close(payload.fds)  # ranks that mapped the memory keep it
             if workers and not (self._supervisor is not None and self._supervisor.ended_cleanly):
-                # A rank that was killed could not stop what it had started: find it by its tag.
-                since = min((start for _, start in record.ranks if start), default=None) if record else None
-                proctree.kill_marked(self.launch_id, {tuple(end) for end in record.pipes} if record else set(), since)
+                # A rank that was killed could not stop what it had started: find it by its marks.
+                if record is not None:
+                    record.kill_marked()
+                else:  # interrupted before its record was made: the environment mark alone
+                    proctree.kill_marked(self.launch_id, set(), None)
             if record is not None:
                 record.remove()
             self._sink.close()

@@ -25,14 +25,9 @@ def registry_dir() -> str:
     return path
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
-    return proctree.start_ticks(pid)
-
-
 @functools.lru_cache(maxsize=None)
 def _start_time_of(pid: int) -> int | None:
-    return process_start_time(pid)
+    return proctree.start_ticks(pid)
 
 
 def _own_start_time() -> int | None:
@@ -40,7 +35,7 @@ def _own_start_time() -> int | None:
 
 
 def _alive(pid: int, start_time: int | None) -> bool:
-    return start_time is not None and process_start_time(pid) == start_time
+    return start_time is not None and proctree.start_ticks(pid) == start_time
 
 
 @dataclass
@@ -60,7 +55,7 @@ class LaunchRecord:
 
     def save(self) -> None:
         record = {
-            "launcher": [self.launcher_pid, _own_start_time() if self.launcher_pid == os.getpid() else process_start_time(self.launcher_pid)],
+            "launcher": [self.launcher_pid, _own_start_time() if self.launcher_pid == os.getpid() else proctree.start_ticks(self.launcher_pid)],
             "port": self.port,
             "ranks": self.ranks,
             "log_dir": self.log_dir,
@@ -70,6 +65,13 @@ class LaunchRecord:
         with open(tmp, "w") as out:
             json.dump(record, out)
         os.replace(tmp, self.path)  # never a half-written record
+
+    def kill_marked(self) -> list[int]:
+        """Stop what the launch's ranks left behind, found by its marks (see nblaunch.proctree).
+        Pipe inodes are reused over time: matched only among processes born since the launch."""
+        since = min((start for _, start in self.ranks if start), default=None)
+        pipes = {(int(inode), str(mode)) for inode, mode in self.pipes} if since is not None else set()
+        return proctree.kill_marked(self.launch_id, pipes, since)
 
     def remove(self) -> None:
         try:
@@ -103,12 +105,8 @@ def _group_members(pgid: int) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields[2] is field 5 (pgrp)
+        fields = proctree.stat_fields(int(entry))
+        if fields and int(fields[2]) == pgid and fields[0] != b"Z":  # fields[2] is field 5 (pgrp)
             members.append(int(entry))
     return members
 
@@ -121,7 +119,7 @@ def _stale_processes(pid: int, start_time: int | None) -> list[int]:
     a group of that id exists. If a *different* process now has the rank's pid (its start time
     differs), the group is someone else's: leave it alone.
     """
-    now = process_start_time(pid)
+    now = proctree.start_ticks(pid)
     if now is not None and now != start_time:
         return []
     return _group_members(pid) or ([pid] if now is not None else [])
@@ -139,34 +137,29 @@ def stop_stale_ranks() -> list[str]:
             with open(path) as f:
                 record = json.load(f)
             launcher_pid, launcher_start = record["launcher"]
-            ranks = [(int(pid), int(start) if start else None) for pid, start in record["ranks"]]
-            pipes = {(int(inode), str(mode)) for inode, mode in record.get("pipes") or []}
+            stale = LaunchRecord(
+                launch_id=name[: -len(".json")], launcher_pid=launcher_pid, port=record["port"],
+                ranks=[(int(pid), int(start) if start else None) for pid, start in record["ranks"]],
+                pipes=[(int(inode), str(mode)) for inode, mode in record.get("pipes") or []],
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours
         if _alive(launcher_pid, launcher_start):
             continue  # a live launch of another kernel: not ours to touch
         stopped = []
-        for pid, start in ranks:
-            stale = _stale_processes(pid, start)
-            if stale:
+        for pid, start in stale.ranks:
+            left = _stale_processes(pid, start)
+            if left:
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
-                    for member in stale:
-                        try:
-                            os.kill(member, signal.SIGKILL)
-                        except (ProcessLookupError, PermissionError):
-                            pass
-                stopped += stale
-        starts = [start for _, start in ranks if start]
-        # Pipe inodes are reused over days: matched only among processes born since the launch.
-        since = min(starts) if starts else None
-        tagged = proctree.kill_marked(name[: -len(".json")], pipes if since else set(), since)
-        stopped += [pid for pid in tagged if pid not in stopped]
+                    proctree.kill_pids(left)
+                stopped += left
+        stopped += [pid for pid in stale.kill_marked() if pid not in stopped]
         if stopped:
             messages.append(
                 f"stopped {len(stopped)} stale process(es) (pids {', '.join(map(str, sorted(stopped)))}) left by "
-                f"an earlier launch of process {launcher_pid} that no longer exists (port {record['port']})"
+                f"an earlier launch of process {launcher_pid} that no longer exists (port {stale.port})"
             )
         try:
             os.unlink(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from nblaunch import notebook_launcher
+from nblaunch import notebook_launcher, proctree
 from nblaunch.launch import registry
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -75,7 +75,7 @@ def test_a_launch_stops_ranks_an_earlier_kernel_left_behind(capfd):
     stale = subprocess.Popen(["sleep", "600"], start_new_session=True)
     dead_launcher = subprocess.Popen(["true"])
     dead_launcher.wait()
-    record = registry.LaunchRecord("stale-test", dead_launcher.pid, 29999, [(stale.pid, registry.process_start_time(stale.pid))])
+    record = registry.LaunchRecord("stale-test", dead_launcher.pid, 29999, [(stale.pid, proctree.start_ticks(stale.pid))])
     record.save()
     try:
         assert notebook_launcher(quick, num_processes=2, display="none") == [0, 1]
@@ -90,7 +90,7 @@ def test_a_launch_stops_ranks_an_earlier_kernel_left_behind(capfd):
 STARTS_A_SERVER = """
 import os, subprocess, sys
 import torch.distributed as dist
-from nblaunch import notebook_launcher
+from nblaunch import notebook_launcher, proctree
 
 def train(folder):
     server = subprocess.Popen(["sleep", "600"])  # e.g. a TensorBoard the training started
@@ -118,7 +118,7 @@ def test_what_a_rank_started_is_stopped_after_its_kernel_died(tmp_path, capfd):
 
 def test_a_live_launch_of_another_process_is_left_alone():
     other = subprocess.Popen(["sleep", "600"], start_new_session=True)
-    record = registry.LaunchRecord("live-test", os.getppid(), 29998, [(other.pid, registry.process_start_time(other.pid))])
+    record = registry.LaunchRecord("live-test", os.getppid(), 29998, [(other.pid, proctree.start_ticks(other.pid))])
     record.save()
     try:
         notebook_launcher(quick, num_processes=2, display="none")
@@ -131,7 +131,7 @@ def test_a_live_launch_of_another_process_is_left_alone():
 
 MAIN_ON_STDIN = """
 import os
-from nblaunch import notebook_launcher
+from nblaunch import notebook_launcher, proctree
 
 offset = 1000
 
