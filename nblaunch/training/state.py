@@ -432,6 +432,13 @@ def _split(inputs: Any, index: int, count: int, apply_padding: bool) -> Any:
     return part
 
 
+# Destroyed groups are kept until the process exits. A DDP model that outlives its group holds
+# the last reference to it; dropping that reference with the GIL held runs ~ProcessGroupGloo,
+# which joins a gloo worker thread that is itself waiting for the GIL (a finished collective's
+# thread state holds a Python object), and the rank hangs for good. Ranks leave with os._exit.
+_RETIRED_GROUPS: list[Any] = []
+
+
 def reset_process_state() -> None:
     """Forget this process's distributed state (and the calling thread's XLA state); destroy the
     process group if nblaunch made it.
@@ -443,6 +450,7 @@ def reset_process_state() -> None:
     s = PartialState._shared_state
     if (s.get("_owns_group") and s.get("_key", (None,))[0] == os.getpid()
             and dist.is_available() and dist.is_initialized()):
+        _RETIRED_GROUPS.append(dist.group.WORLD)
         dist.destroy_process_group()
     s.clear()
     if _thread_state.shared is not None:
