@@ -55,7 +55,7 @@ __all__ = ["Accelerator"]
 _UNSUPPORTED = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
                 "parallelism_config", "dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
-_IGNORED = ("log_with", "project_config", "rng_types", "dispatch_batches", "downcast_bf16",
+_IGNORED = ("log_with", "project_config", "dispatch_batches", "downcast_bf16",
             "logging_dir")
 
 
@@ -82,6 +82,8 @@ class Accelerator:
             :class:`AutocastKwargs`.
         gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin`.
         project_dir: default directory of ``save_state`` / ``load_state``.
+        rng_types: RNGs given rank 0's state at the start of every epoch of a prepared loader
+            (Accelerate's; default ``["generator"]``, the shuffle's own generator).
 
     Example::
 
@@ -103,6 +105,7 @@ class Accelerator:
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         even_batches: bool | None = None,
         project_dir: str | os.PathLike | None = None,
+        rng_types: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         for name, value in kwargs.items():
@@ -127,6 +130,7 @@ class Accelerator:
         if even_batches is not None:
             config.even_batches = even_batches
         self.dataloader_config = config
+        self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
 
         self.ddp_options = DistributedDataParallelKwargs()
         scaler_kwargs: dict[str, Any] = {}
@@ -361,7 +365,8 @@ class Accelerator:
             data_loader, num_processes=self.num_processes, process_index=self.process_index,
             device=self.device if device_placement else None, gradient_state=self.gradient_state,
             split_batches=config.split_batches, even_batches=config.even_batches,
-            non_blocking=config.non_blocking, comm_device=self.device)
+            non_blocking=config.non_blocking, rng_types=[str(getattr(k, "value", k)) for k in self.rng_types],
+            seedable_sampler=config.use_seedable_sampler, data_seed=config.data_seed)
         self._dataloaders.append(prepared)
         return prepared
 

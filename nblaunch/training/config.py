@@ -168,8 +168,7 @@ def adopt(obj: Any) -> Any:
 
 def refuse_unsupported(config: DataLoaderConfiguration) -> None:
     """DataLoaderConfiguration options nblaunch does not do yet: an error, never a silent difference."""
-    wanted = {"dispatch_batches": config.dispatch_batches is True, "data_seed": config.data_seed is not None,
-              "use_stateful_dataloader": config.use_stateful_dataloader}
+    wanted = {"dispatch_batches": config.dispatch_batches is True, "use_stateful_dataloader": config.use_stateful_dataloader}
     for name, asked in wanted.items():
         if asked:
             raise NotImplementedError(f"DataLoaderConfiguration({name}=...) is not supported by nblaunch yet")

@@ -1,30 +1,19 @@
-"""Sharded, device-placing DataLoaders.
+"""Sharded, device-placing DataLoaders: ``Accelerator.prepare`` turns a DataLoader into this
+rank's :class:`PreparedDataLoader`.
 
-Map-style datasets, with any sampler or batch sampler: the original batch sampler runs unchanged
-on every rank and batch ``i`` goes to rank ``i % P``. Shuffling samplers (anything with a
-``generator`` attribute: ``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRandomSampler``...)
-get a generator reseeded at the start of every epoch with ``seed + epoch``, the seed being rank
-0's; so all ranks walk the same permutation, epochs differ, and nobody has to call ``set_epoch``.
-
-- ``even_batches=True`` (default): when the batches do not fill the last round (one batch per
-  rank), the round is completed with samples from the start of the epoch, so every rank gets the
-  same number of full batches. ``gather_for_metrics`` later drops exactly those samples again.
-- ``even_batches=False``: the last round is left short (ranks may get one batch fewer, or a
-  smaller last batch).
-- ``drop_last=True`` (of the DataLoader): only complete rounds of full batches are used.
-- ``split_batches=True``: the DataLoader's batch size is the global one; every batch is cut in
-  ``P`` pieces, rank ``r`` takes piece ``r``.
-
-Iterable datasets: each rank reads the whole stream, and out of every ``P`` batches' worth of
-samples takes its own slice (so only its own samples are collated and moved).
+Which batches a rank gets is ``nblaunch.training.sharding``'s business; the shuffle order (the
+same as Accelerate's for the same seed) is ``nblaunch.training.shuffle``'s. Shuffling samplers
+are anything with a ``generator`` attribute (``RandomSampler``, ``SubsetRandomSampler``,
+``WeightedRandomSampler``...): the prepared loader uses a copy, the user's objects stay as they
+are.
 
 On XLA the prepared loader does what ``MpDeviceLoader`` does (``torch_xla.sync()`` before every
 batch, one transfer to the device), inline: without read-ahead threads, so positions and random
 states stay exact.
 
-The prepared loader counts the batches it hands out; that count, the epoch and the seed are the
-data position saved by ``save_state``, and :func:`skip_first_batches` skips at the index level
-(skipped batches are never loaded) for map-style datasets.
+The prepared loader counts the batches it hands out; that count, the epoch and the shuffle
+position are the data position saved by ``save_state``, and :func:`skip_first_batches` skips at
+the index level (skipped batches are never loaded) for map-style datasets.
 """
 
 from __future__ import annotations
@@ -34,267 +23,28 @@ import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.distributed import DistributedSampler
 
 from nblaunch.training import xla
 from nblaunch.training.ops import send_to_device
+from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
+from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeededByEpoch, SharedGenerator,
+                                       ShufflePolicy)
 
-__all__ = ["ShardedBatchSampler", "IterableDatasetShard", "PreparedDataLoader", "shard_data_loader",
-           "skip_first_batches"]
-
-
-class ShardedBatchSampler(Sampler[list[int]]):
-    """This rank's batches out of any batch sampler (see the module docstring for the rules).
-
-    Every rank iterates the full underlying batch sampler, so ranks agree on the rounds without
-    talking to each other; only index lists are made for other ranks' batches, never data.
-
-    Example: 10 samples, batch size 3, 2 processes, even_batches -> rank 0 gets
-    ``[0, 1, 2], [6, 7, 8]``, rank 1 gets ``[3, 4, 5], [9, 0, 1]``.
-    """
-
-    def __init__(self, batch_sampler: Iterable[list[int]], num_processes: int, process_index: int,
-                 split_batches: bool = False, even_batches: bool = True,
-                 batch_size: int | None = None, drop_last: bool = False) -> None:
-        if split_batches and batch_size is not None and batch_size % num_processes:
-            raise ValueError(
-                f"split_batches=True needs a batch size divisible by the number of processes; "
-                f"got batch_size={batch_size} for {num_processes} processes")
-        self.batch_sampler = batch_sampler
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.split_batches = split_batches
-        self.even_batches = even_batches and num_processes > 1  # one process: nothing to even out
-        self.batch_size = batch_size  # the underlying one; None if unknown (custom batch sampler)
-        self.drop_last = drop_last
-        self.skip = 0  # batches of this rank to leave out at the start of the next iteration
-        # Real (not repeated) samples in the last round of the last epoch; -1 if nothing was added.
-        self.last_round_real = -1
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.batch_sampler, "sampler", None)
-
-    def __len__(self) -> int:
-        return self.length_for(self.process_index)
-
-    def length_for(self, rank: int) -> int:
-        batches = len(self.batch_sampler)  # type: ignore[arg-type]
-        P = self.num_processes
-        if self.split_batches:
-            if self.even_batches or self.drop_last or self.batch_size is None:
-                return batches
-            # Without padding a short last batch may leave nothing for the later ranks.
-            last = self._last_batch_len(batches)
-            piece = self.batch_size // P
-            return batches - (1 if last is not None and last <= rank * piece else 0)
-        if self.drop_last:
-            return batches // P
-        if self.even_batches:
-            return math.ceil(batches / P)
-        return batches // P + (1 if rank < batches % P else 0)
-
-    def _last_batch_len(self, batches: int) -> int | None:
-        sampler = self.sampler
-        if sampler is None or self.batch_size is None:
-            return None
-        try:
-            n = len(sampler)
-        except TypeError:
-            return None
-        rest = n - (batches - 1) * self.batch_size
-        return rest
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.last_round_real = -1
-        skip, self.skip = self.skip, 0
-        fast = type(self.batch_sampler) is BatchSampler and self.batch_size is not None
-        P, B = self.num_processes, self.batch_size
-        if self.split_batches:
-            source = self._iter_flat(B, B // P) if fast else self._iter_split()
-        else:
-            source = self._iter_flat(P * B, B) if fast else self._iter_rounds()
-        if skip:
-            for _ in range(skip):
-                if next(source, None) is None:
-                    return
-        yield from source
-
-    # Without split_batches: batch i -> rank i % P, one round = P consecutive batches.
-    def _iter_rounds(self) -> Iterator[list[int]]:
-        P, r, bs = self.num_processes, self.process_index, self.batch_size
-        first: list[int] = []  # the epoch's first samples, to complete the last round
-        round_: list[list[int]] = []
-        for batch in self.batch_sampler:
-            if len(first) < P * (bs or len(batch)):
-                first.extend(batch)
-            round_.append(batch)
-            if len(round_) == P:
-                if bs is None or len(batch) == bs:  # the round is complete and full
-                    yield round_[r]
-                    round_ = []
-                else:  # a short last batch: leave it to the end-of-epoch rules
-                    break
-        if not round_:
-            return
-        if self.drop_last:
-            return  # an incomplete round is dropped on every rank
-        if not self.even_batches:
-            if r < len(round_):
-                yield round_[r]
-            return
-        # Complete the round with the epoch's first samples, in order.
-        real = sum(len(b) for b in round_)
-        if bs is not None:
-            while len(first) < P * bs:  # fewer samples than one round: repeat them
-                first = first + first
-        cursor = 0
-        if bs is not None and len(round_[-1]) < bs:
-            need = bs - len(round_[-1])
-            round_[-1] = list(round_[-1]) + first[:need]
-            cursor = need
-        while len(round_) < P:
-            size = bs if bs is not None else len(round_[0])
-            round_.append(first[cursor: cursor + size])
-            cursor += size
-        self.last_round_real = real
-        yield round_[r]
-
-    # torch's own BatchSampler just cuts the sampler's indices in consecutive chunks, so the
-    # same batches come from slicing the epoch's index list: no per-batch Python list building
-    # for the other ranks' batches (the general path above makes them all).
-    def _epoch_indices(self) -> list[int]:
-        sampler = self.batch_sampler.sampler  # type: ignore[attr-defined]
-        kind = type(sampler)
-        if kind is SequentialSampler:
-            return list(range(len(sampler.data_source)))
-        if (kind is RandomSampler and not sampler.replacement and sampler.generator is not None
-                and sampler.num_samples == len(sampler.data_source)):
-            # What RandomSampler yields first, without a Python step per index.
-            return torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
-        return list(sampler)
-
-    def _head(self, indices: list[int], count: int) -> list[int]:
-        """The first ``count`` samples of the epoch, repeated if the epoch is shorter."""
-        head = indices[:count]
-        while len(head) < count:
-            head = head + head
-        return head[:count]
-
-    def _iter_flat(self, step: int, take: int) -> Iterator[list[int]]:
-        """Fast path for torch's own BatchSampler, slicing the epoch's index list: of every
-        ``step`` indices, rank r takes the ``take`` at offset ``r * take``. Without split_batches a
-        step is a round of P batches of B; with it, one batch of B split into P pieces."""
-        indices = self._epoch_indices()
-        full, rest = divmod(len(indices), step)
-        start = self.process_index * take
-        for base in range(start, full * step, step):
-            yield indices[base: base + take]
-        if not rest or self.drop_last:
-            return
-        tail = indices[full * step:]
-        if self.even_batches:  # indices is not empty here: rest > 0
-            tail = tail + self._head(indices, step - rest)
-            self.last_round_real = rest
-        part = tail[start: start + take]
-        if part:
-            yield part
-
-    # With split_batches: every batch is cut in P pieces.
-    def _iter_split(self) -> Iterator[list[int]]:
-        P, r, bs = self.num_processes, self.process_index, self.batch_size
-        first: list[int] = []
-        for batch in self.batch_sampler:
-            size = bs if bs is not None else len(batch)
-            if not first:
-                first = list(batch)
-            if len(batch) < size:  # the short last batch
-                if self.even_batches:
-                    real = len(batch)
-                    batch = list(batch)
-                    while len(batch) < size:
-                        batch.extend(first[: size - len(batch)])
-                    self.last_round_real = real
-                else:
-                    piece = size // P
-                    part = batch[r * piece: (r + 1) * piece]
-                    if part:
-                        yield part
-                    return
-            piece = size // P
-            yield batch[r * piece: (r + 1) * piece]
-
-
-class IterableDatasetShard(IterableDataset):
-    """This rank's samples of an iterable dataset: out of every ``P * batch_size`` samples, the
-    slice ``[r * batch_size, (r + 1) * batch_size)``.
-
-    A short last group is dropped (``drop_last``), completed from the first samples of the epoch
-    (``even_batches``), or split as far as it goes.
-    """
-
-    def __init__(self, dataset: Iterable, batch_size: int, num_processes: int, process_index: int,
-                 drop_last: bool = False, even_batches: bool = True) -> None:
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.drop_last = drop_last
-        self.even_batches = even_batches
-        self.last_round_real = -1
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        group = self.batch_size * self.num_processes
-        full, rest = divmod(n, group)
-        if self.drop_last or not rest:
-            return full * self.batch_size
-        if self.even_batches:
-            return (full + 1) * self.batch_size
-        mine = min(max(rest - self.process_index * self.batch_size, 0), self.batch_size)
-        return full * self.batch_size + mine
-
-    def __iter__(self) -> Iterator[Any]:
-        self.last_round_real = -1
-        group = self.batch_size * self.num_processes
-        lo = self.process_index * self.batch_size
-        hi = lo + self.batch_size
-        first: list[Any] = []
-        buffer: list[Any] = []
-        for item in self.dataset:
-            buffer.append(item)
-            if len(first) < group:
-                first.append(item)
-            if len(buffer) == group:
-                yield from buffer[lo:hi]
-                buffer = []
-        if not buffer or self.drop_last:
-            return
-        if self.even_batches:
-            real = len(buffer)
-            while len(buffer) < group:
-                buffer.extend(first[: group - len(buffer)])
-            self.last_round_real = real
-        yield from buffer[lo:hi]
+__all__ = ["PreparedDataLoader", "shard_data_loader", "skip_first_batches"]
 
 
 class PreparedDataLoader(DataLoader):
     """A DataLoader that yields this rank's batches on this rank's device.
 
-    Extra attributes: ``epoch`` (of the next or current iteration), ``seed`` (of the shuffle),
-    ``batches_consumed`` (in the current epoch), ``end_of_dataloader``, ``total_batch_size``,
+    Extra attributes: ``epoch`` (of the next or current iteration), ``batches_consumed`` (in the current epoch), ``end_of_dataloader``, ``total_batch_size``,
     ``total_dataset_length``, ``remainder``; ``set_epoch(epoch)`` chooses the next epoch.
     """
 
     def __init__(self, dataset: Any, *, gradient_state: Any, device: torch.device | None,
-                 num_processes: int, shuffle_generator: torch.Generator | None, seed: int | None,
+                 num_processes: int, shuffle: ShufflePolicy | None, rng_types: list[str] | None,
                  wrapped_sampler: Any, shard: Any, per_process_batch_size: int | None,
                  total_batch_size: int | None, non_blocking: bool, **loader_kwargs: Any) -> None:
         super().__init__(dataset, **loader_kwargs)
@@ -304,8 +54,8 @@ class PreparedDataLoader(DataLoader):
         self._device = device if device is not None and device.type != "cpu" else None
         self._feed = _feeder(self._device, non_blocking)
         self._num_processes = num_processes
-        self._shuffle_generator = shuffle_generator
-        self.seed = seed
+        self._shuffle = shuffle
+        self._rng_types = rng_types  # Accelerate's: RNGs given rank 0's state at every epoch start
         self._wrapped_sampler = wrapped_sampler  # a DistributedSampler we call set_epoch on
         self._shard = shard  # ShardedBatchSampler / IterableDatasetShard / None
         self.total_batch_size = total_batch_size
@@ -359,19 +109,23 @@ class PreparedDataLoader(DataLoader):
 
     def state_dict(self) -> dict:
         """The data position: saved by ``save_state``."""
-        if self._skip:  # loaded but not iterated yet
-            return {"epoch": self.epoch, "seed": self.seed, "batches_consumed": self._skip}
         progress = self._progress
-        if progress.end or progress.count == 0 or not progress.in_epoch:
-            return {"epoch": self.epoch, "seed": self.seed, "batches_consumed": 0}
-        return {"epoch": self._current_epoch, "seed": self.seed,
-                "batches_consumed": self.batches_consumed}
+        if self._skip:  # loaded but not iterated yet
+            epoch, consumed = self.epoch, self._skip
+        elif progress.end or progress.count == 0 or not progress.in_epoch:
+            epoch, consumed = self.epoch, 0
+        else:
+            epoch, consumed = self._current_epoch, self.batches_consumed
+        state = {"epoch": epoch, "batches_consumed": consumed}
+        if self._shuffle is not None:
+            state.update(self._shuffle.position(mid_epoch=consumed > 0))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next iteration continues the saved epoch after its consumed batches."""
         self.epoch = int(state["epoch"])
-        if state.get("seed") is not None:
-            self.seed = int(state["seed"])
+        if self._shuffle is not None:
+            self._shuffle.resume(state)
         self._skip = int(state.get("batches_consumed", 0))
         self._restore_rng = self._skip > 0
 
@@ -381,8 +135,12 @@ class PreparedDataLoader(DataLoader):
         epoch = self.epoch
         self._current_epoch = epoch
         self.epoch = epoch + 1
-        if self._shuffle_generator is not None:
-            self._shuffle_generator.manual_seed(self.seed + epoch)
+        if self._rng_types:
+            from nblaunch.training.seed import synchronize_rng_states
+
+            synchronize_rng_states(self._rng_types)
+        if self._shuffle is not None:
+            self._shuffle.before_epoch(epoch)
         if self._wrapped_sampler is not None:
             self._wrapped_sampler.set_epoch(epoch)
         if hasattr(self.dataset, "set_epoch"):
@@ -536,32 +294,26 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-def _shared_seed(generator: torch.Generator | None, num_processes: int, device: torch.device) -> int:
-    # device: where the collective runs (cuda for nccl, cpu for gloo, xla)
-    """A shuffle seed drawn on every rank (so RNG streams stay aligned) and taken from rank 0."""
-    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    if device.type == "xla":
-        seed = xla.broadcast_object(seed, 0)
-    elif num_processes > 1:
-        import torch.distributed as dist
-        t = torch.tensor([seed], dtype=torch.int64, device=device)
-        dist.broadcast(t, src=0)
-        seed = int(t.item())
-    return seed
-
-
 def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: int,
                         device: torch.device | None, gradient_state: Any,
                         split_batches: bool = False, even_batches: bool = True,
-                        non_blocking: bool = False,
-                        comm_device: torch.device | None = None) -> PreparedDataLoader:
-    """Build the rank's :class:`PreparedDataLoader` for ``loader`` (which is left untouched)."""
+                        non_blocking: bool = False, rng_types: list[str] | None = None,
+                        seedable_sampler: bool = False,
+                        data_seed: int | None = None) -> PreparedDataLoader:
+    """Build the rank's :class:`PreparedDataLoader` for ``loader`` (which is left untouched).
+
+    ``rng_types``: Accelerate's (``"generator"`` is the shuffle's own generator and always kept
+    in step; ``"torch"``/``"cuda"`` get rank 0's state at every epoch start).
+    ``seedable_sampler``/``data_seed``: a ``RandomSampler`` shuffles epoch ``e`` with
+    ``data_seed + e`` (default: torch's initial seed), as Accelerate's ``use_seedable_sampler``.
+    """
     import copy
 
     kwargs = _loader_kwargs(loader)
     dataset = loader.dataset
+    rng_types = [kind for kind in (rng_types or []) if kind != "generator"] if num_processes > 1 else []
     common = dict(gradient_state=gradient_state, device=device, num_processes=num_processes,
-                  non_blocking=non_blocking)
+                  non_blocking=non_blocking, rng_types=rng_types)
     P = num_processes
 
     if isinstance(dataset, IterableDataset):
@@ -581,7 +333,7 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
             data = shard
         else:
             data = dataset
-        return PreparedDataLoader(data, shuffle_generator=None, seed=None, wrapped_sampler=None,
+        return PreparedDataLoader(data, shuffle=None, wrapped_sampler=None,
                                   shard=shard, per_process_batch_size=per,
                                   total_batch_size=per * P, batch_size=per,
                                   drop_last=loader.drop_last, **common, **kwargs)
@@ -598,18 +350,16 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
     bs = getattr(batch_sampler, "batch_size", None)
     drop_last = bool(getattr(batch_sampler, "drop_last", loader.drop_last))
 
-    # A shuffling sampler gets our generator (in a copy: the user's objects stay as they are).
-    generator = seed = None
+    shuffle = None
     wrapped_sampler = None
     if isinstance(sampler, DistributedSampler):
         wrapped_sampler = sampler  # already sharded by the user: only set_epoch each epoch
     elif sampler is not None and hasattr(sampler, "generator"):
-        seed = _shared_seed(sampler.generator, P, comm_device or torch.device("cpu"))
-        generator = torch.Generator()
-        sampler = copy.copy(sampler)
-        sampler.generator = generator
+        shuffle = _shuffle_policy(sampler, P, seedable_sampler, data_seed)
+        if loader.generator is not None and loader.generator is sampler.generator:
+            kwargs["generator"] = shuffle.generator  # DataLoader(generator=g): one generator, as before
         batch_sampler = copy.copy(batch_sampler)
-        batch_sampler.sampler = sampler
+        batch_sampler.sampler = HookedSampler(copy.copy(sampler), shuffle)
 
     shard = None
     per = bs
@@ -625,7 +375,20 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
             per, total = (bs // P, bs) if split_batches else (bs, bs * P)
     elif bs is not None:
         total = bs * P if wrapped_sampler is not None else bs
-    return PreparedDataLoader(dataset, shuffle_generator=generator, seed=seed,
+    return PreparedDataLoader(dataset, shuffle=shuffle,
                               wrapped_sampler=wrapped_sampler, shard=shard,
                               per_process_batch_size=per, total_batch_size=total,
                               batch_sampler=batch_sampler, **common, **kwargs)
+
+
+def _shuffle_policy(sampler: Any, num_processes: int, seedable: bool, data_seed: int | None) -> ShufflePolicy:
+    if seedable and isinstance(sampler, RandomSampler):
+        seed = data_seed if data_seed is not None else torch.random.initial_seed()
+        if num_processes > 1:  # rank 0's, should the ranks' initial seeds differ
+            from nblaunch.training.ops import broadcast_object_list
+
+            [seed] = broadcast_object_list([seed])
+        return SeededByEpoch(seed)
+    if num_processes == 1 and sampler.generator is None:
+        return GlobalRngAtPass()
+    return SharedGenerator(sampler.generator, num_processes)

@@ -58,7 +58,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
                         use_seedable_sampler: bool = False, data_seed: int | None = None,
                         non_blocking: bool = False, use_stateful_dataloader: bool = False) -> PreparedDataLoader:
     """This rank's share of ``dataloader``, as ``Accelerator.prepare`` makes it."""
-    refuse_unsupported(DataLoaderConfiguration(dispatch_batches=dispatch_batches, data_seed=data_seed,
+    refuse_unsupported(DataLoaderConfiguration(dispatch_batches=dispatch_batches,
                                                use_stateful_dataloader=use_stateful_dataloader))
     state = PartialState()
     return shard_data_loader(
@@ -67,5 +67,6 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         process_index=state.process_index if process_index is None else process_index,
         device=device if put_on_device else None, gradient_state=GradientState(),
         split_batches=split_batches, even_batches=even_batches, non_blocking=non_blocking,
-        comm_device=state.device,
+        rng_types=[str(getattr(k, "value", k)) for k in rng_types or []],
+        seedable_sampler=use_seedable_sampler, data_seed=data_seed,
     )

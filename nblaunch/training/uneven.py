@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.data import IterableDatasetShard, ShardedBatchSampler
+from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 
 
 @contextlib.contextmanager

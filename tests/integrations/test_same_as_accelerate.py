@@ -56,3 +56,50 @@ def test_a_ported_loop_trains_the_same_as_under_accelerate(accumulation, mixed_p
     for (our_weights, our_lrs), (their_weights, their_lrs) in zip(ours, theirs):
         assert our_lrs == pytest.approx(their_lrs, abs=1e-12)
         torch.testing.assert_close(our_weights, their_weights, rtol=0, atol=1e-6)
+
+
+def shuffled_batches(library: str, case: str):
+    """Three epochs of a shuffled loader's batches, and a random number drawn after each batch
+    (so the global RNG stream is compared too)."""
+    if library == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration, set_seed
+    else:
+        from nblaunch import Accelerator
+        from nblaunch.utils import DataLoaderConfiguration, set_seed
+    from torch.utils.data import SubsetRandomSampler
+
+    set_seed(7)
+    data = list(range(23))
+    config = DataLoaderConfiguration()
+    if case == "plain":
+        loader = DataLoader(data, batch_size=3, shuffle=True)
+    elif case == "own generator":
+        loader = DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))
+    elif case == "subset":
+        loader = DataLoader(data, batch_size=3, sampler=SubsetRandomSampler(list(range(0, 23, 2))))
+    elif case == "seedable":
+        loader = DataLoader(data, batch_size=3, shuffle=True)
+        config = DataLoaderConfiguration(use_seedable_sampler=True)
+    elif case == "data_seed":
+        loader = DataLoader(data, batch_size=3, shuffle=True)
+        config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=11)
+    accelerator = Accelerator(dataloader_config=config)
+    loader = accelerator.prepare(loader)
+    seen = []
+    for _ in range(3):
+        for batch in loader:
+            seen.append((batch.tolist(), torch.rand(1).item()))
+    return seen
+
+
+@pytest.mark.parametrize("processes", [2, 1])
+@pytest.mark.parametrize("case", ["plain", "own generator", "subset", "seedable", "data_seed"])
+def test_shuffled_data_comes_in_the_same_order_as_under_accelerate(case, processes):
+    ours = notebook_launcher(shuffled_batches, args=("nblaunch", case), num_processes=processes, display="none")
+    theirs = notebook_launcher(shuffled_batches, args=("accelerate", case), num_processes=processes,
+                               display="none")
+    assert ours == theirs
+    if processes == 2 and case != "subset":
+        first_epoch = [x for rank in ours for batch, _ in rank[:4] for x in batch]
+        assert len(first_epoch) == 24 and len(set(first_epoch)) == 23  # shards: all data, 1 repeated

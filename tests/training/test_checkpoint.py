@@ -3,6 +3,8 @@ same weights, and sees the same batches, as an uninterrupted run."""
 
 import os
 
+import pytest
+
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -102,13 +104,17 @@ def _resume(ckpt):
     return out
 
 
-def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path):
+# One process: the shuffle draws from the global RNG as in plain PyTorch, and resuming must find
+# the interrupted epoch's order all the same.
+@pytest.mark.parametrize("processes", [2, 1])
+def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path, processes):
     ckpt = str(tmp_path / "ckpt")
-    full = launch(_first_run, ckpt)
-    assert sorted(os.listdir(ckpt)) == ["custom_checkpoint_0.pkl", "model.bin", "optimizer.bin",
-                                        "rank_0.pkl", "rank_1.pkl", "scaler.pt", "scheduler.bin"]
-    resumed = launch(_resume, ckpt)
-    for rank in range(2):
+    full = launch(_first_run, ckpt, num_processes=processes)
+    assert sorted(os.listdir(ckpt)) == sorted(
+        ["custom_checkpoint_0.pkl", "model.bin", "optimizer.bin", "scaler.pt", "scheduler.bin"]
+        + [f"rank_{r}.pkl" for r in range(processes)])
+    resumed = launch(_resume, ckpt, num_processes=processes)
+    for rank in range(processes):
         expected = full[rank]
         for style in ("auto", "skip"):
             got = resumed[rank][style]
