@@ -29,6 +29,7 @@ import contextlib
 import enum
 import functools
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -422,13 +423,17 @@ def _split(inputs: Any, index: int, count: int, apply_padding: bool) -> Any:
     per, extra = divmod(length, count)
     start = index * per + min(index, extra)
     end = start + per + (1 if index < extra else 0)
+    missing = (per + (1 if extra else 0)) - (end - start) if apply_padding and length else 0
+    datasets = sys.modules.get("datasets")
+    if datasets is not None and isinstance(inputs, datasets.Dataset):
+        # Slicing a datasets.Dataset gives a dict of columns; select keeps it a Dataset.
+        return inputs.select(list(range(start, end)) + [length - 1] * missing)
     part = inputs[start:end]
-    if apply_padding and extra and index >= extra and length:
-        last = inputs[end - 1: end] if end > start else inputs[-1:]
+    if missing:  # padded with the last item of all, as Accelerate does
         if isinstance(part, torch.Tensor):
-            part = torch.cat([part, last])
+            part = torch.cat([part, inputs[-1:].expand(missing, *inputs.shape[1:])])
         else:
-            part = part + type(part)(last)
+            part = part + type(part)(inputs[-1:]) * missing
     return part
 
 

@@ -33,6 +33,12 @@ def _collectives(tmp):
         out["split"] = part
     with acc.split_between_processes(torch.arange(5), apply_padding=True) as part:
         out["split_padded"] = part.tolist()
+    with acc.split_between_processes({"x": list("abc"), "y": torch.arange(3)}, apply_padding=True) as part:
+        out["split_dict"] = {"x": part["x"], "y": part["y"].tolist()}
+    import datasets  # a Hugging Face Dataset stays one, and splits by rows (not by columns)
+    table = datasets.Dataset.from_list([{"k": v} for v in range(5)])
+    with acc.split_between_processes(table, apply_padding=True) as part:
+        out["split_dataset"] = (type(part).__name__, part["k"])
     marker = os.path.join(tmp, "main-was-first")
     with acc.main_process_first():
         out["marker_seen"] = os.path.exists(marker)
@@ -67,6 +73,8 @@ def test_collectives_in_two_processes(recorder, tmp_path):
     assert r0["pad_first"] == [[0, 1, 1]] and r1["pad_first"] == [[1, 1, 1]]
     assert r0["split"] == ["a", "b", "c"] and r1["split"] == ["d", "e"]
     assert r0["split_padded"] == [0, 1, 2] and r1["split_padded"] == [3, 4, 4]
+    assert r0["split_dict"] == {"x": ["a", "b"], "y": [0, 1]} and r1["split_dict"] == {"x": ["c", "c"], "y": [2, 2]}
+    assert r0["split_dataset"] == ("Dataset", [0, 1, 2]) and r1["split_dataset"] == ("Dataset", [3, 4, 4])
     assert r0["marker_seen"] is False and r1["marker_seen"] is True
     assert recorder.lines(0) == ["printed by rank 0"] and recorder.lines(1) == []
     metrics = sorted((m.rank, m.values["loss"], m.values["acc"], m.step) for m in recorder.of(Metrics))
