@@ -404,7 +404,9 @@ class Accelerator:
         """Context: ranks that run out of batches keep answering the others' collectives
         (torch's ``Join`` over DDP models); ``even_batches`` overrides the prepared loaders'."""
         distributed = self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-        return uneven.join_uneven_inputs(joinables, self._dataloaders, distributed, even_batches)
+        return uneven.join_uneven_inputs(joinables, self._dataloaders, distributed,
+                                         self.distributed_type is DistributedType.NO,
+                                         self.dataloader_config.even_batches, even_batches)
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Any:
         """Context: the next backward of ``model`` all-reduces, even in an accumulating step."""

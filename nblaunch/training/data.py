@@ -18,6 +18,7 @@ the index level (skipped batches are never loaded) for map-style datasets.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any, Callable, Iterable, Iterator
@@ -30,8 +31,8 @@ from torch.utils.data.distributed import DistributedSampler
 from nblaunch.training import xla
 from nblaunch.training.ops import send_to_device
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
-from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeededByEpoch, SharedGenerator,
-                                       ShufflePolicy)
+from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeedableRandomSampler, SeededByEpoch,
+                                       SharedGenerator, ShufflePolicy)
 
 __all__ = ["PreparedDataLoader", "shard_data_loader", "skip_first_batches"]
 
@@ -307,7 +308,6 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
     ``seedable_sampler``/``data_seed``: a ``RandomSampler`` shuffles epoch ``e`` with
     ``data_seed + e`` (default: torch's initial seed), as Accelerate's ``use_seedable_sampler``.
     """
-    import copy
 
     kwargs = _loader_kwargs(loader)
     dataset = loader.dataset
@@ -355,11 +355,11 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
     if isinstance(sampler, DistributedSampler):
         wrapped_sampler = sampler  # already sharded by the user: only set_epoch each epoch
     elif sampler is not None and hasattr(sampler, "generator"):
-        shuffle = _shuffle_policy(sampler, P, seedable_sampler, data_seed)
+        shuffle, shuffling_sampler = _shuffle_for(sampler, P, seedable_sampler, data_seed)
         if loader.generator is not None and loader.generator is sampler.generator:
             kwargs["generator"] = shuffle.generator  # DataLoader(generator=g): one generator, as before
         batch_sampler = copy.copy(batch_sampler)
-        batch_sampler.sampler = HookedSampler(copy.copy(sampler), shuffle)
+        batch_sampler.sampler = shuffling_sampler
 
     shard = None
     per = bs
@@ -381,14 +381,26 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
                               batch_sampler=batch_sampler, **common, **kwargs)
 
 
-def _shuffle_policy(sampler: Any, num_processes: int, seedable: bool, data_seed: int | None) -> ShufflePolicy:
+def _shuffle_for(sampler: Any, num_processes: int, seedable: bool,
+                 data_seed: int | None) -> tuple[ShufflePolicy, Any]:
+    """The shuffle policy for a copy of the user's shuffling ``sampler``, and that copy."""
     if seedable and isinstance(sampler, RandomSampler):
         seed = data_seed if data_seed is not None else torch.random.initial_seed()
         if num_processes > 1:  # rank 0's, should the ranks' initial seeds differ
             from nblaunch.training.ops import broadcast_object_list
 
             [seed] = broadcast_object_list([seed])
-        return SeededByEpoch(seed)
+        generator = None
+        if sampler.generator is not None:
+            generator = torch.Generator()
+            generator.set_state(sampler.generator.get_state())
+        seeded = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
+                                       num_samples=sampler._num_samples, generator=generator, data_seed=seed)
+        if generator is None:  # made now, not at the first pass: the policy shares it
+            seeded.generator = torch.Generator()
+        return SeededByEpoch(seeded), seeded
     if num_processes == 1 and sampler.generator is None:
-        return GlobalRngAtPass()
-    return SharedGenerator(sampler.generator, num_processes)
+        policy: ShufflePolicy = GlobalRngAtPass()
+    else:
+        policy = SharedGenerator(sampler.generator, num_processes)
+    return policy, HookedSampler(copy.copy(sampler), policy)

@@ -11,37 +11,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from nblaunch.training.config import DataLoaderConfiguration, refuse_unsupported
 from nblaunch.training.data import PreparedDataLoader, shard_data_loader
+from nblaunch.training.shuffle import SeedableRandomSampler
 from nblaunch.training.state import GradientState, PartialState
 
 __all__ = ["prepare_data_loader", "SeedableRandomSampler", "DataLoaderDispatcher"]
-
-
-class SeedableRandomSampler(RandomSampler):
-    """A ``RandomSampler`` whose order is fixed by a seed and the epoch: epoch ``e`` shuffles
-    with ``seed + e``, so every rank (and a resumed run) draws the same order.
-    ``data_seed`` (default: torch's initial seed) is the seed."""
-
-    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
-        self.epoch = 0
-
-    def __iter__(self) -> Iterator[int]:
-        if self.generator is None:
-            self.generator = torch.Generator()
-        self.generator.manual_seed(self.initial_seed + self.epoch)
-        yield from super().__iter__()
-        self.set_epoch(self.epoch + 1)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
 
 class DataLoaderDispatcher(PreparedDataLoader):

@@ -2,8 +2,10 @@
 
 Every function works with one process too (then it returns its input, as Accelerate does).
 On XLA every collective goes through XLA (``nblaunch.training.xla``), with one device too.
-Gathers first exchange the shapes, so tensors of different shapes on different ranks raise the
-same clear ``ValueError`` on every rank instead of hanging or failing deep inside gloo/nccl.
+Gathers, reduces and broadcasts first exchange the shapes (one small all_gather; Accelerate does
+this only in its debug mode), so tensors of different shapes on different ranks raise the same
+clear ``ShapeMismatchError`` on every rank, naming each rank's shape, instead of aborting inside
+gloo, hanging, or (a broadcast) silently copying the wrong bytes.
 
 Example::
 
@@ -102,6 +104,14 @@ def _describe(headers: list[tuple[int, ...]]) -> str:
     return "; ".join(parts)
 
 
+def _check_same(tensor: torch.Tensor, state: PartialState, operation: str) -> None:
+    headers = _exchange_headers(tensor, state)
+    if any(h != headers[0] for h in headers):
+        raise ShapeMismatchError(
+            f"{operation} needs tensors of the same shape and dtype on every process, got "
+            f"{_describe(headers)}.")
+
+
 def _gather_one(tensor: torch.Tensor, state: PartialState, allow_uneven_dim0: bool) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
@@ -178,6 +188,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         else:
             out = t.clone()
             if state.num_processes > 1 and reduction != "none":
+                _check_same(t, state, "reduce")
                 dist.all_reduce(out, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]))
         if reduction == "mean" and state.num_processes > 1:
             out /= state.num_processes
@@ -228,6 +239,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
     def one(t: torch.Tensor) -> torch.Tensor:
         if _on_xla(state):
             return xla.broadcast_(t, from_process)
+        _check_same(t, state, "broadcast")
         dist.broadcast(t, src=from_process)
         return t
 

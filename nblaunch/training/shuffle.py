@@ -9,8 +9,9 @@ resumed run (``load_state``) draws the interrupted epoch's order again:
   from rank 0's state of it, so all ranks walk the same permutation.
 - :class:`GlobalRngAtPass` (one process, a sampler without a generator): the sampler as it is,
   drawing from torch's global RNG when the epoch's pass begins.
-- :class:`SeededByEpoch` (``use_seedable_sampler=True``): epoch ``e`` shuffles with
-  ``seed + e``; ``seed`` is ``data_seed`` or torch's initial seed, taken from rank 0.
+- :class:`SeededByEpoch` (``use_seedable_sampler=True``): a :class:`SeedableRandomSampler`,
+  epoch ``e`` shuffles with ``seed + e``; ``seed`` is ``data_seed`` or torch's initial seed,
+  taken from rank 0.
 
 Example::
 
@@ -23,9 +24,9 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import RandomSampler, Sampler
 
-__all__ = ["ShufflePolicy", "SharedGenerator", "GlobalRngAtPass", "SeededByEpoch", "HookedSampler"]
+__all__ = ["ShufflePolicy", "SharedGenerator", "GlobalRngAtPass", "SeededByEpoch", "SeedableRandomSampler", "HookedSampler"]
 
 
 def _draw_seed() -> int:
@@ -128,21 +129,52 @@ class GlobalRngAtPass(ShufflePolicy):
 _NOTHING = object()
 
 
+class SeedableRandomSampler(RandomSampler):
+    """Accelerate's ``SeedableRandomSampler``: epoch ``e`` shuffles with ``initial_seed + e``, so
+    every rank (and a resumed run) draws the same order. ``data_seed`` (default: torch's initial
+    seed, i.e. ``set_seed``'s) is ``initial_seed``.
+
+    Example::
+
+        sampler = SeedableRandomSampler(range(10), data_seed=42)
+        sampler.set_epoch(3)
+        list(sampler)   # the order of epoch 3, on every process
+    """
+
+    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.generator.manual_seed(self.initial_seed + self.epoch)
+        yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 class SeededByEpoch(ShufflePolicy):
-    """Epoch ``e`` shuffles with ``seed + e`` (Accelerate's ``SeedableRandomSampler``)."""
+    """``use_seedable_sampler=True``: the loader's sampler is a :class:`SeedableRandomSampler`,
+    told the epoch before each pass."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, sampler: SeedableRandomSampler) -> None:
         super().__init__()
-        self.seed = seed
+        self.sampler = sampler
+        self.generator = sampler.generator  # type: ignore[assignment]
 
-    def at_sampler_start(self) -> None:
+    def before_epoch(self, epoch: int) -> None:
+        super().before_epoch(epoch)
         if self._resume and self._resume.get("seed") is not None:
-            self.seed = int(self._resume["seed"])
+            self.sampler.initial_seed = int(self._resume["seed"])
         self._resume = None
-        self.generator.manual_seed(self.seed + self.epoch)
+        self.sampler.set_epoch(epoch)
 
     def position(self, mid_epoch: bool) -> dict:
-        return {"seed": self.seed}
+        return {"seed": self.sampler.initial_seed}
 
 
 class HookedSampler(Sampler):

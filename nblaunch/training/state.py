@@ -187,11 +187,12 @@ class PartialState:
         s = self.__dict__
         s.update(xla.rank_state())
         s.update(_cpu=False, _owns_group=False, _key=key, backend="xla",
-                 distributed_type=DistributedType.XLA, _initialized=True)
+                 distributed_type=DistributedType.XLA, debug=_debug_mode(), _initialized=True)
 
     def _build(self, key: tuple, cpu: bool, backend: str | None, timeout: timedelta | None) -> None:
         s = self.__dict__
         s["_cpu"] = cpu
+        s["debug"] = _debug_mode()
         s["_owns_group"] = False
         s["_key"] = key
         use_cuda = not cpu and torch.cuda.is_available()
@@ -414,6 +415,11 @@ class GradientState:
     def __repr__(self) -> str:
         return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "
                 f"end_of_dataloader={self.end_of_dataloader})")
+
+
+def _debug_mode() -> bool:
+    """Accelerate's ``ACCELERATE_DEBUG_MODE`` (nblaunch's collectives check shapes always)."""
+    return os.environ.get("ACCELERATE_DEBUG_MODE", "").strip().lower() in ("1", "true", "yes", "y", "on")
 
 
 def _split(inputs: Any, index: int, count: int, apply_padding: bool) -> Any:

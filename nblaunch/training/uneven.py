@@ -14,13 +14,17 @@ from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 
 
 @contextlib.contextmanager
-def join_uneven_inputs(joinables: list[Any], loaders: list[Any], distributed: bool,
-                       even_batches: bool | None = None) -> Iterator[None]:
+def join_uneven_inputs(joinables: list[Any], loaders: list[Any], distributed: bool, single_process: bool,
+                       default_even_batches: bool, even_batches: bool | None = None) -> Iterator[None]:
     """torch's ``Join`` over ``joinables`` (DDP models, ZeroRedundancyOptimizer): a rank that
     runs out of batches keeps answering the others' collectives instead of leaving them hanging.
-    ``even_batches`` overrides that setting of the prepared ``loaders`` for the block."""
+    As in Accelerate, Join is on only where batches are uneven (``even_batches=False``): even
+    batches need no shadow collectives. ``even_batches`` overrides that setting of the prepared
+    ``loaders`` for the block."""
     if not distributed:
-        warnings.warn("join_uneven_inputs does nothing without a distributed (DDP) launch", stacklevel=3)
+        if not single_process:
+            warnings.warn("join_uneven_inputs is only supported for multi-GPU (and multi-CPU) DDP training; "
+                          "here it has no effect", stacklevel=3)
         yield
         return
     overridden: list[tuple[ShardedBatchSampler, bool]] = []
@@ -33,10 +37,13 @@ def join_uneven_inputs(joinables: list[Any], loaders: list[Any], distributed: bo
             elif isinstance(shard, IterableDatasetShard):
                 warnings.warn("overriding even_batches works for map-style datasets only; an iterable "
                               "dataset's loader keeps its own", stacklevel=3)
+    else:
+        even_batches = default_even_batches
     try:
         from torch.distributed.algorithms.join import Join
 
-        with Join([j for j in joinables if isinstance(j, DistributedDataParallel) or hasattr(j, "join_hook")]):
+        joinable = [j for j in joinables if isinstance(j, DistributedDataParallel) or hasattr(j, "join_hook")]
+        with Join(joinable, enable=not even_batches, throw_on_early_termination=False):
             yield
     finally:
         for shard, value in overridden:

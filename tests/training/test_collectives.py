@@ -23,6 +23,15 @@ def _collectives(tmp):
         out["mismatch"] = None
     except ShapeMismatchError as e:
         out["mismatch"] = str(e)
+    # reduce aborted the rank inside gloo, broadcast copied the wrong bytes silently: both now
+    # raise on every rank, naming the shapes, and the group stays usable.
+    for name, call in (("reduce", lambda: acc.reduce(torch.zeros(2, 1 + r))),
+                       ("broadcast", lambda: acc.broadcast(torch.zeros(3 + r)))):
+        try:
+            call()
+            out[name + "_mismatch"] = None
+        except ShapeMismatchError as e:
+            out[name + "_mismatch"] = str(e)
     out["gather_object"] = acc.gather_object([f"r{r}"])
     out["sum"] = acc.reduce(torch.tensor([1.0 + r])).tolist()
     out["mean"] = acc.reduce(torch.tensor([1.0 + r]), "mean").tolist()
@@ -65,6 +74,8 @@ def test_collectives_in_two_processes(recorder, tmp_path):
         assert r["gather_scalar"] == [0.0, 1.0]
         assert r["gather_nested"] == {"a": [0, 1]}
         assert "rank 0: shape (2, 3)" in r["mismatch"] and "rank 1: shape (3, 3)" in r["mismatch"]
+        assert "reduce" in r["reduce_mismatch"] and "rank 1: shape (2, 2)" in r["reduce_mismatch"]
+        assert "broadcast" in r["broadcast_mismatch"] and "rank 0: shape (3,)" in r["broadcast_mismatch"]
         assert r["gather_object"] == ["r0", "r1"]
         assert r["sum"] == [3.0] and r["mean"] == [1.5]
         assert r["broadcast"] == [0]
