@@ -108,6 +108,23 @@ class RankFinished:
 
 
 @dataclass(frozen=True)
+class LaunchRestarting:
+    """A rank failed and ``max_restarts`` allows another start: every rank was stopped and all
+    start again (``restart`` of ``max_restarts``), on a fresh rendezvous."""
+
+    restart: int
+    max_restarts: int
+    failed_rank: int
+    reason: str
+
+    @property
+    def line(self) -> str:
+        """One line for it, the same in every display and in the logs."""
+        return (f"rank {self.failed_rank} failed ({self.reason}); every rank starts again: "
+                f"restart {self.restart} of {self.max_restarts}")
+
+
+@dataclass(frozen=True)
 class LaunchFinished:
     """The launch is over: every rank is reaped. ``error`` is what the launcher is about to raise."""
 
@@ -121,7 +138,8 @@ class LaunchFinished:
 
 
 Event = (
-    LaunchStarted | RankStarted | Output | Progress | Metrics | Stacks | RankFinished | LaunchFinished
+    LaunchStarted | RankStarted | Output | Progress | Metrics | Stacks | RankFinished | LaunchRestarting
+    | LaunchFinished
 )
 
 

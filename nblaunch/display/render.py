@@ -85,6 +85,10 @@ def header_html(view: LaunchView, now: float) -> str:
         + (f' <span style="{_MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
         f"rendezvous: {escape(plan.rendezvous)}",
     ]
+    if view.restarted is not None:
+        r = view.restarted
+        facts.append(f'<span style="color: #b45309">restart {r.restart} of {r.max_restarts} '
+                     f'(rank {r.failed_rank} failed)</span>')
     logs = ""
     if plan.log_dir:
         logs = (

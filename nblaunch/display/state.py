@@ -22,6 +22,7 @@ from nblaunch.display.series import Series
 from nblaunch.events import (
     Event,
     LaunchFinished,
+    LaunchRestarting,
     LaunchStarted,
     Metrics,
     Output,
@@ -95,6 +96,7 @@ class LaunchView:
         # metric name -> rank -> series; dicts keep first-seen order, so charts do not jump around
         self.metrics: dict[str, dict[int, Series]] = {}
         self._implicit_steps: dict[tuple[str, int], int] = {}
+        self.restarted: LaunchRestarting | None = None  # the latest restart, if any
         self.dirty: set[str] = set()
 
     # -- overall ----------------------------------------------------------------------------
@@ -143,6 +145,8 @@ class LaunchView:
             for r in range(event.num_processes):
                 self.rank(r)
             self.dirty |= {HEADER, RANKS}
+        elif isinstance(event, LaunchRestarting):
+            self._restart(event)
         elif isinstance(event, LaunchFinished):
             self.finished = event
             self.dirty |= {HEADER, RANKS, SUMMARY}
@@ -153,6 +157,17 @@ class LaunchView:
             view = self.ranks[rank] = RankView(rank, LogRing(self.max_lines))
             self.ranks = dict(sorted(self.ranks.items()))
         return view
+
+    def _restart(self, event: LaunchRestarting) -> None:
+        """Every rank starts again: fresh rank rows, the logs keep what came before."""
+        self.restarted = event
+        line = f"--- {event.line} ---"
+        for number, old in list(self.ranks.items()):
+            fresh = self.ranks[number] = RankView(number, old.log)
+            fresh.log.extend(number, "stderr", (line,))
+            self.dirty.add(rank_log(number))
+        self.merged.extend(event.failed_rank, "stderr", (line,))
+        self.dirty |= {HEADER, RANKS, MERGED_LOG}
 
     def _output(self, event: Output) -> None:
         rank = self.rank(event.rank)

@@ -13,6 +13,7 @@ from typing import TextIO
 from nblaunch.events import (
     Event,
     LaunchFinished,
+    LaunchRestarting,
     LaunchStarted,
     Metrics,
     Output,
@@ -84,6 +85,8 @@ class TextDisplay:
                 self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")
             elif event.state == RankState.STOPPED:
                 self._print(f"[rank {event.rank}] stopped: {event.detail}", "stderr")
+        elif isinstance(event, LaunchRestarting):
+            self._print(f"nblaunch: {event.line}", "stderr")
         elif isinstance(event, LaunchFinished):
             for rank, (values, step) in sorted(self._last_metrics.items()):
                 self._print_metrics(rank, values, step)  # the latest values are never skipped

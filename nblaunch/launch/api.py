@@ -28,6 +28,9 @@ def notebook_launcher(
     timeout: float | None = None,
     display: str | Display = "auto",
     block: bool = True,
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    rdzv_backend: str = "static",
 ) -> list[Any] | "Launch":
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
@@ -48,6 +51,13 @@ def notebook_launcher(
         display: "auto" (widgets in a notebook, text elsewhere), "widget", "text", "none", or an
             object with ``on_event``/``close``.
         block: False returns a :class:`Launch` at once; the launch goes on while other cells run.
+        max_restarts: after a rank fails, stop every rank and start them all again, up to this
+            many times (each restart is shown in the cell). The ranks see torchrun's
+            ``TORCHELASTIC_RESTART_COUNT`` and can resume from their checkpoint
+            (``accelerator.load_state``). ``timeout`` covers all starts together.
+        monitor_interval, rdzv_backend: Accelerate's elastic-launch arguments, accepted for
+            its callers; nblaunch watches its ranks without polling and knows every rank up
+            front, so they change nothing ("static" or "c10d").
 
     Raises:
         LaunchConfigError: bad input (nothing was started).
@@ -68,12 +78,15 @@ def notebook_launcher(
     plan = make_plan(
         function, args, num_processes, mixed_precision, use_port, master_addr,
         node_rank, num_nodes, start_method, timeout, display, force_cpu=False,
+        max_restarts=max_restarts, monitor_interval=monitor_interval, rdzv_backend=rdzv_backend,
     )
     pickling.check_picklable(function, args)
     # One rank runs here, except on XLA: the runtime would start in this process and break
     # every later xmp.spawn (torch_xla's own nprocs=1 has that trap).
-    # (A timeout needs a rank that can be stopped: then even one rank runs in a process of its own.)
-    if block and plan.num_processes == 1 and plan.num_nodes == 1 and plan.start_method != "xla" and timeout is None:
+    # (A timeout needs a rank that can be stopped, a restart one that can be started again: then
+    # even one rank runs in a process of its own.)
+    if (block and plan.num_processes == 1 and plan.num_nodes == 1 and plan.start_method != "xla"
+            and timeout is None and not plan.max_restarts):
         return [_run_in_process(plan, function, args)]
     launch = Launch(plan, function, args, timeout, display)
     if block:

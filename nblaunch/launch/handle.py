@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import dataclasses
 import functools
 import os
 import sys
@@ -22,8 +23,9 @@ from typing import Any, Callable
 
 from nblaunch import proctree
 from nblaunch.display import Fanout, make_display
-from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankFinished, RankStarted, RankState
-from nblaunch.launch import fdtable, registry
+from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
+                             RankState)
+from nblaunch.launch import fdtable, ports, registry
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.payload import Payload, package
@@ -149,10 +151,54 @@ class Launch:
                 log_dir=self.log_dir,
             )
         )
+        outcome: Any = None
+        try:
+            while True:
+                try:
+                    results = self._attempt(plan, started)
+                    break
+                except RankFailedError as error:
+                    if plan.restart >= plan.max_restarts or self._cancel_requested:
+                        raise
+                    plan = _next_start(plan)
+                    root = error.root_cause
+                    self._emit(LaunchRestarting(restart=plan.restart, max_restarts=plan.max_restarts,
+                                                failed_rank=root.rank, reason=root.reason.splitlines()[0]))
+            elapsed = time.monotonic() - started
+            self._status = "done"
+            restarted = f" after {plan.restart} restart{'s' if plan.restart != 1 else ''}" if plan.restart else ""
+            self._emit(
+                LaunchFinished(
+                    state=RankState.DONE, elapsed_s=elapsed, results=results,
+                    summary=f"all {plan.num_processes} ranks done in {elapsed:.2f} s{restarted}",
+                )
+            )
+            outcome = results
+            return results
+        except BaseException as error:
+            self._status, finished = _ending(error, time.monotonic() - started, plan)
+            self._emit(finished)
+            outcome = error
+            raise
+        finally:
+            self._sink.close()
+            # Last: whoever waits on result() finds the display closed and the logs complete.
+            if isinstance(outcome, BaseException):
+                self._future.set_exception(outcome)
+            else:
+                self._future.set_result(outcome)
+
+    def _attempt(self, plan: LaunchPlan, started: float) -> list[Any]:
+        """Start every rank of ``plan``, supervise them to the end, leave nothing behind."""
+        timeout = None
+        if self._timeout is not None:  # one budget for the launch, restarts included
+            timeout = self._timeout - (time.monotonic() - started)
+            if timeout <= 0:
+                raise LaunchTimeoutError(self._timeout, {})
         record = None
         payload: Payload | None = None
-        outcome: Any = None
         workers: list[WorkerProcess] = []
+        supervisor: Supervisor | None = None
         try:
             if plan.start_method == "spawn":
                 payload = package(self._function, self._args)
@@ -164,30 +210,20 @@ class Launch:
             )
             record.save()
             with self._lock:
-                self._supervisor = Supervisor(workers, self._emit, self._timeout)
+                supervisor = self._supervisor = Supervisor(workers, self._emit, timeout)
                 if self._cancel_requested:
-                    self._supervisor.cancel()
-            results = self._supervisor.run()
-            elapsed = time.monotonic() - started
-            self._status = "done"
-            self._emit(
-                LaunchFinished(
-                    state=RankState.DONE, elapsed_s=elapsed, results=results,
-                    summary=f"all {plan.num_processes} ranks done in {elapsed:.2f} s",
-                )
-            )
-            outcome = results
-            return results
-        except BaseException as error:
+                    supervisor.cancel()
+            try:
+                return supervisor.run()
+            except LaunchTimeoutError as error:
+                raise LaunchTimeoutError(self._timeout, error.stacks) from None  # the user's figure
+        except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
-            self._status, finished = _ending(error, time.monotonic() - started)
-            self._emit(finished)
-            outcome = error
             raise
         finally:
             if payload is not None:
                 fdtable.close(payload.fds)  # ranks that mapped the memory keep it
-            if workers and not (self._supervisor is not None and self._supervisor.ended_cleanly):
+            if workers and not (supervisor is not None and supervisor.ended_cleanly):
                 # A rank that was killed could not stop what it had started: find it by its marks.
                 if record is not None:
                     record.kill_marked()
@@ -195,19 +231,20 @@ class Launch:
                     proctree.kill_marked(self.launch_id, set(), None)
             if record is not None:
                 record.remove()
-            self._sink.close()
-            # Last: whoever waits on result() finds the display closed and the logs complete.
-            if isinstance(outcome, BaseException):
-                self._future.set_exception(outcome)
-            else:
-                self._future.set_result(outcome)
 
 
-def _ending(error: BaseException, elapsed: float) -> tuple[str, LaunchFinished]:
+def _next_start(plan: LaunchPlan) -> LaunchPlan:
+    """The plan of the next start after a failure: a fresh port unless one was pinned."""
+    port = plan.master_port if plan.port_pinned else ports.choose_port(plan.master_addr, None, hosted_here=True)
+    return dataclasses.replace(plan, restart=plan.restart + 1, master_port=port)
+
+
+def _ending(error: BaseException, elapsed: float, plan: LaunchPlan) -> tuple[str, LaunchFinished]:
     """How a launch that raised ``error`` ended: its ``Launch.status`` and its last event."""
     if isinstance(error, RankFailedError):
         root = error.root_cause
-        summary = f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}"
+        restarts = f" (restarted {plan.restart} of {plan.max_restarts} times)" if plan.max_restarts else ""
+        summary = f"rank {root.rank} failed after {elapsed:.2f} s{restarts}: {root.reason}"
         return "failed", LaunchFinished(
             RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank, summary=summary
         )

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 import time
 
-from nblaunch.events import Event, LaunchFinished, Output, RankFinished, RankState, Stacks
+from nblaunch.events import Event, LaunchFinished, LaunchRestarting, Output, RankFinished, RankState, Stacks
 from nblaunch.launch import registry
 
 _KEEP_LAUNCHES = 20  # log folders of the latest launches are kept...
@@ -64,6 +64,9 @@ class LogFiles:
             self._files[event.rank].write(f"--- stack when the launch stopped ---\n{event.text}\n")
         elif isinstance(event, RankFinished) and event.state == RankState.FAILED:
             self._files[event.rank].write(f"--- rank {event.rank} failed ---\n{event.detail}\n")
+        elif isinstance(event, LaunchRestarting):
+            for file in self._files.values():
+                file.write(f"--- {event.line} ---\n")
         elif isinstance(event, LaunchFinished):
             self.close()
 

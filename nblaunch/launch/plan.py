@@ -40,6 +40,9 @@ class LaunchPlan:
     mixed_precision: str
     force_cpu: bool
     xla_environ: dict[str, str] | None = None  # XLA only: what the host process adds to its environment
+    max_restarts: int = 0  # after a rank fails, start every rank again up to this many times
+    restart: int = 0  # which start this is: 0 first, 1 the first restart, ...
+    port_pinned: bool = False  # use_port given: every restart meets there again
 
     @property
     def world_size(self) -> int:
@@ -74,6 +77,10 @@ class LaunchPlan:
             # Without it Accelerate's state joins no process group on a CPU: every rank would
             # train the whole data set alone. (With one rank it would make a group of one.)
             env["ACCELERATE_USE_CPU"] = "true"
+        if self.max_restarts:
+            # torchrun's names: code written for elastic restarts reads them to resume.
+            env["TORCHELASTIC_RESTART_COUNT"] = str(self.restart)
+            env["TORCHELASTIC_MAX_RESTARTS"] = str(self.max_restarts)
         if self.force_cpu:
             env["NBLAUNCH_FORCE_CPU"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -189,6 +196,9 @@ def make_plan(
     timeout: Any,
     display: Any,
     force_cpu: bool,
+    max_restarts: Any = 0,
+    monitor_interval: Any = 0.1,
+    rdzv_backend: Any = "static",
 ) -> LaunchPlan:
     """Check every argument and decide how to launch; raises LaunchConfigError on bad input."""
     if not callable(function):
@@ -217,6 +227,8 @@ def make_plan(
             f"close() methods; got a {type(display).__name__}"
         )
     check_call(function, args)
+    max_restarts = _restarts(max_restarts, num_nodes, start_method)
+    _check_elastic_arguments(monitor_interval, rdzv_backend)
     port = _port(use_port)
     if port is None and num_nodes > 1:
         raise LaunchConfigError(
@@ -224,6 +236,8 @@ def make_plan(
         )
 
     if start_method == "xla" or (start_method is None and not force_cpu and xla.tpu_markers()):
+        if max_restarts:
+            raise LaunchConfigError("max_restarts is not supported on XLA (torch_xla's xmp.spawn starts the ranks)")
         return _xla_plan(function, num_processes, mixed_precision, master_addr, start_method, port)
     gpus = 0 if force_cpu else devices.cuda_device_count()
     if num_processes is None:
@@ -261,7 +275,32 @@ def make_plan(
         threads=threads_per_worker(num_processes),
         mixed_precision=mixed_precision,
         force_cpu=force_cpu,
+        max_restarts=max_restarts,
+        port_pinned=port is not None,
     )
+
+
+def _restarts(value: Any, num_nodes: int, start_method: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LaunchConfigError(f"max_restarts must be an int >= 0 (0: no restart), got {value!r}")
+    if value and num_nodes > 1:
+        raise LaunchConfigError(
+            "max_restarts works on one machine only for now: with num_nodes > 1 the nodes could not agree on "
+            "when to restart. Pass max_restarts=0, or resume from a checkpoint with a new launch."
+        )
+    return value
+
+
+def _check_elastic_arguments(monitor_interval: Any, rdzv_backend: Any) -> None:
+    """Accelerate's elastic-launch arguments: accepted where they mean something here."""
+    if (isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float))
+            or not math.isfinite(monitor_interval) or monitor_interval <= 0):
+        raise LaunchConfigError(f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}")
+    if rdzv_backend not in ("static", "c10d"):
+        raise LaunchConfigError(
+            f"rdzv_backend must be 'static' or 'c10d', got {rdzv_backend!r}; nblaunch knows every rank up front, "
+            "so both mean the same here"
+        )
 
 
 def _xla_plan(function: Callable, num_processes: Any, mixed_precision: str, master_addr: str,

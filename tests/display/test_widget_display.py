@@ -13,6 +13,7 @@ from nblaunch import RankFailedError, notebook_launcher
 from nblaunch.display.widget import WidgetDisplay, widgets_available
 from nblaunch.events import (
     LaunchFinished,
+    LaunchRestarting,
     LaunchStarted,
     Metrics,
     Output,
@@ -139,6 +140,25 @@ def test_a_failure_leaves_the_traceback_and_every_stack_in_the_summary(display):
     assert "rank 0: where it was stopped" in summary and "in all_reduce" in summary
     assert rank_states(summary) == {0: "stopped", 1: "failed"}
     assert "<script" not in summary  # static: renders without any frontend code
+
+
+def test_a_restart_shows_fresh_rank_rows_and_marks_the_logs(display):
+    display.on_event(started())
+    for rank in (0, 1):
+        display.on_event(RankStarted(rank, pid=100 + rank))
+    display.on_event(Output(0, "stdout", ("epoch 1",)))
+    display.on_event(Progress(0, bar_id=0, n=3, total=10, desc="epoch"))
+    display.on_event(RankFinished(1, RankState.FAILED, detail="ValueError: bad batch", exitcode=1))
+    display.on_event(RankFinished(0, RankState.STOPPED, detail="stopped after rank 1 failed", exitcode=-9))
+    display.on_event(LaunchRestarting(restart=1, max_restarts=2, failed_rank=1, reason="ValueError: bad batch"))
+    display.on_event(RankStarted(0, pid=200))
+    wait_until(lambda: "restart 1 of 2" in display.header.value)
+    wait_until(lambda: rank_states(display.ranks.value) == {0: "running", 1: "starting"})
+    assert bars(display.ranks.value) == []  # the old start's bar is gone with it
+    assert "(rank 1 failed)" in display.header.value
+    for pane in ("0", "1", "all"):
+        wait_until(lambda: "every rank starts again: restart 1 of 2" in display.log_panes[pane].value)
+    assert "epoch 1" in display.log_panes["0"].value  # what came before stays readable
 
 
 def test_close_without_a_launch_leaves_no_summary():
