@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -104,14 +103,6 @@ def wait_gone(pids: list[int], budget: float) -> tuple[float | None, list[int]]:
         time.sleep(0.002)
 
 
-def kill_all(pids: list[int]) -> None:
-    import signal
-
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def have_accelerate() -> bool:

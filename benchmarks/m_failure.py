@@ -15,8 +15,9 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import have_accelerate, interleave, kill_all, pid_alive, row, wait_gone
+from benchmarks.common import have_accelerate, interleave, pid_alive, row, wait_gone
 from benchmarks.workloads import IMPLS_ALL, fail_in_collective, run_launch, stuck_in_recv
+from nblaunch.proctree import kill_pids
 
 GOAL_S = 0.1
 
@@ -70,7 +71,7 @@ def _fail_once(impl: str, mode: str) -> dict:
         def watchdog():
             if not done.wait(HANG_S):
                 hung.append(_stacks(_pids(tmp)))  # the evidence, before unblocking the run
-                kill_all(_pids(tmp))
+                kill_pids(_pids(tmp))
 
         threading.Thread(target=watchdog, daemon=True).start()
         try:
@@ -87,7 +88,7 @@ def _fail_once(impl: str, mode: str) -> dict:
         with open(os.path.join(tmp, "failed_at")) as f:
             failed_at = float(f.read())
         gone_s, left = wait_gone(pids, 1.0)
-        kill_all(left)
+        kill_pids(left)
         return {"latency_s": raised - failed_at, "right_rank": error is not None and _blamed(impl, error) == 1,
                 "blamed": None if error is None else _blamed(impl, error), "left_at_raise": left_at_raise,
                 "left_after_1s": len(left), "raised": type(error).__name__ if error else None}
@@ -110,7 +111,7 @@ def _orphan_once(impl: str) -> dict:
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
         gone_s, left = wait_gone(pids, 1.0)
-        kill_all(left)
+        kill_pids(left)
         return {"gone_s": gone_s, "left_after_1s": len(left)}
 
 

@@ -27,6 +27,14 @@ LAUNCH_ID_VARIABLE = "NBLAUNCH_LAUNCH_ID"
 _ROUNDS = 20  # a tree that forks while it is being killed: look again, a bounded number of times
 
 
+def pids() -> list[int]:
+    """Every process id in /proc (empty where there is none)."""
+    try:
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+
+
 def children(pid: int) -> list[int]:
     """The direct children of ``pid`` (of all its threads)."""
     found: list[int] = []
@@ -95,14 +103,9 @@ def kill_marked(launch_id: str, pipe_ends: set[tuple[int, str]], since_ticks: in
     pipes = {f"pipe:[{inode}]": mode for inode, mode in pipe_ends}
     me = os.getpid()
     found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == me:
+    for pid in pids():
+        if pid == me:
             continue
-        pid = int(entry)
         if since_ticks is not None:
             started = start_ticks(pid)
             if started is None or started < since_ticks:

@@ -98,16 +98,10 @@ def live_log_dirs() -> set[str]:
 def _group_members(pgid: int) -> list[int]:
     """Pids of live processes in process group ``pgid`` (Linux /proc; empty elsewhere)."""
     members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return members
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        fields = proctree.stat_fields(int(entry))
+    for pid in proctree.pids():
+        fields = proctree.stat_fields(pid)
         if fields and int(fields[2]) == pgid and fields[0] != b"Z":  # fields[2] is field 5 (pgrp)
-            members.append(int(entry))
+            members.append(pid)
     return members
 
 

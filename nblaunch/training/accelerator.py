@@ -365,7 +365,7 @@ class Accelerator:
             data_loader, num_processes=self.num_processes, process_index=self.process_index,
             device=self.device if device_placement else None, gradient_state=self.gradient_state,
             split_batches=config.split_batches, even_batches=config.even_batches,
-            non_blocking=config.non_blocking, rng_types=[str(getattr(k, "value", k)) for k in self.rng_types],
+            non_blocking=config.non_blocking, rng_types=self.rng_types,
             seedable_sampler=config.use_seedable_sampler, data_seed=config.data_seed)
         self._dataloaders.append(prepared)
         return prepared

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
@@ -298,7 +297,7 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
 def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: int,
                         device: torch.device | None, gradient_state: Any,
                         split_batches: bool = False, even_batches: bool = True,
-                        non_blocking: bool = False, rng_types: list[str] | None = None,
+                        non_blocking: bool = False, rng_types: list[Any] | None = None,
                         seedable_sampler: bool = False,
                         data_seed: int | None = None) -> PreparedDataLoader:
     """Build the rank's :class:`PreparedDataLoader` for ``loader`` (which is left untouched).
@@ -311,7 +310,9 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
 
     kwargs = _loader_kwargs(loader)
     dataset = loader.dataset
-    rng_types = [kind for kind in (rng_types or []) if kind != "generator"] if num_processes > 1 else []
+    # Accelerate's RNGType members or their names; "generator" is the shuffle's, kept in step anyway.
+    names = [str(getattr(kind, "value", kind)) for kind in rng_types or []]
+    rng_types = [name for name in names if name != "generator"] if num_processes > 1 else []
     common = dict(gradient_state=gradient_state, device=device, num_processes=num_processes,
                   non_blocking=non_blocking, rng_types=rng_types)
     P = num_processes

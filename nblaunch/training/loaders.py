@@ -47,6 +47,6 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         process_index=state.process_index if process_index is None else process_index,
         device=device if put_on_device else None, gradient_state=GradientState(),
         split_batches=split_batches, even_batches=even_batches, non_blocking=non_blocking,
-        rng_types=[str(getattr(k, "value", k)) for k in rng_types or []],
+        rng_types=rng_types,
         seedable_sampler=use_seedable_sampler, data_seed=data_seed,
     )

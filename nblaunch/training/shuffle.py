@@ -37,8 +37,8 @@ def _draw_seed() -> int:
 class ShufflePolicy:
     """Owns the generator a shuffling sampler uses and says when it is (re)set."""
 
-    def __init__(self) -> None:
-        self.generator = torch.Generator()
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator  # the sampler's (None: it draws from torch's global RNG)
         self.epoch = 0
         self._resume: dict | None = None
 
@@ -67,7 +67,7 @@ class SharedGenerator(ShufflePolicy):
     several processes every epoch starts from rank 0's state of it."""
 
     def __init__(self, sampler_generator: torch.Generator | None, num_processes: int) -> None:
-        super().__init__()
+        super().__init__(torch.Generator())
         if sampler_generator is not None:
             self.generator.set_state(sampler_generator.get_state())
         elif num_processes > 1:
@@ -97,8 +97,7 @@ class GlobalRngAtPass(ShufflePolicy):
     state at that moment is the position."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.generator = None  # type: ignore[assignment]
+        super().__init__(None)
         self._pass_state: torch.Tensor | None = None
 
     def iterate(self, sampler: Any) -> Iterator[Any]:
@@ -162,9 +161,8 @@ class SeededByEpoch(ShufflePolicy):
     told the epoch before each pass."""
 
     def __init__(self, sampler: SeedableRandomSampler) -> None:
-        super().__init__()
+        super().__init__(sampler.generator)
         self.sampler = sampler
-        self.generator = sampler.generator  # type: ignore[assignment]
 
     def before_epoch(self, epoch: int) -> None:
         super().before_epoch(epoch)
