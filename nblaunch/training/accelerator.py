@@ -41,11 +41,12 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                       ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.ddp import wrap_ddp
-from nblaunch.training.data import PreparedDataLoader, shard_data_loader, skip_first_batches
+from nblaunch.training.data import PreparedDataLoader, skip_first_batches
+from nblaunch.training.loaders import build_prepared_loader
 from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.precision import (AutocastForward, autocast_dtype, check_supported,
                                          make_grad_scaler, resolve_mixed_precision)
-from nblaunch.training.state import DistributedType, GradientState, PartialState
+from nblaunch.training.state import AcceleratorState, DistributedType, GradientState
 from nblaunch.worker import channel
 
 __all__ = ["Accelerator"]
@@ -55,8 +56,7 @@ __all__ = ["Accelerator"]
 _UNSUPPORTED = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
                 "parallelism_config", "dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
-_IGNORED = ("log_with", "project_config", "dispatch_batches", "downcast_bf16",
-            "logging_dir")
+_IGNORED = ("log_with", "project_config", "downcast_bf16", "logging_dir")
 
 
 class Accelerator:
@@ -112,11 +112,13 @@ class Accelerator:
             if name in _UNSUPPORTED:
                 if value not in (None, False, "no", "NO"):
                     raise NotImplementedError(f"Accelerator({name}=...) is not supported by nblaunch")
+            elif name == "dispatch_batches":  # Accelerate before 1.0 took it here
+                continue
             elif name not in _IGNORED:
                 raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}")
         handlers = [adopt(h) for h in kwargs_handlers or ()]  # Accelerate's own objects too
         group = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
-        self.state = PartialState(cpu=cpu, **_group_arguments(group))
+        self.state = AcceleratorState(cpu=cpu, **_group_arguments(group))
         self.device: torch.device = self.state.device
         self.device_placement = device_placement
         self.mixed_precision: str = resolve_mixed_precision(mixed_precision)
@@ -129,6 +131,8 @@ class Accelerator:
             config.split_batches = split_batches
         if even_batches is not None:
             config.even_batches = even_batches
+        if kwargs.get("dispatch_batches") is not None:
+            config.dispatch_batches = kwargs["dispatch_batches"]
         self.dataloader_config = config
         self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
 
@@ -222,6 +226,10 @@ class Accelerator:
     @property
     def even_batches(self) -> bool:
         return self.dataloader_config.even_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
 
     @property
     def sync_gradients(self) -> bool:
@@ -355,18 +363,20 @@ class Accelerator:
 
     def prepare_data_loader(self, data_loader: DataLoader,
                             device_placement: bool | None = None) -> PreparedDataLoader:
-        """Shard ``data_loader`` for this process and place its batches on the device."""
+        """This process's share of ``data_loader``, its batches on the device: read by this
+        process, or by rank 0 and dispatched (``dispatch_batches``; see ``loaders``)."""
         if isinstance(data_loader, PreparedDataLoader):
             return data_loader
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
-        prepared = shard_data_loader(
+        prepared = build_prepared_loader(
             data_loader, num_processes=self.num_processes, process_index=self.process_index,
             device=self.device if device_placement else None, gradient_state=self.gradient_state,
             split_batches=config.split_batches, even_batches=config.even_batches,
             non_blocking=config.non_blocking, rng_types=self.rng_types,
-            seedable_sampler=config.use_seedable_sampler, data_seed=config.data_seed)
+            seedable_sampler=config.use_seedable_sampler, data_seed=config.data_seed,
+            dispatch_batches=config.dispatch_batches)
         self._dataloaders.append(prepared)
         return prepared
 

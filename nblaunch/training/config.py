@@ -168,7 +168,6 @@ def adopt(obj: Any) -> Any:
 
 def refuse_unsupported(config: DataLoaderConfiguration) -> None:
     """DataLoaderConfiguration options nblaunch does not do yet: an error, never a silent difference."""
-    wanted = {"dispatch_batches": config.dispatch_batches is True, "use_stateful_dataloader": config.use_stateful_dataloader}
-    for name, asked in wanted.items():
-        if asked:
-            raise NotImplementedError(f"DataLoaderConfiguration({name}=...) is not supported by nblaunch yet")
+    if config.use_stateful_dataloader:
+        raise NotImplementedError("DataLoaderConfiguration(use_stateful_dataloader=True) is not supported by "
+                                  "nblaunch yet: save_state already records every prepared loader's position")

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.distributed import DistributedSampler
 
@@ -33,7 +34,7 @@ from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeedableRandomSampler, SeededByEpoch,
                                        SharedGenerator, ShufflePolicy)
 
-__all__ = ["PreparedDataLoader", "shard_data_loader", "skip_first_batches"]
+__all__ = ["PreparedDataLoader", "skip_first_batches", "Batching", "map_style_batching", "loader_kwargs"]
 
 
 class PreparedDataLoader(DataLoader):
@@ -62,7 +63,7 @@ class PreparedDataLoader(DataLoader):
         self.epoch = 0  # of the next iteration, until one starts
         self._current_epoch = 0
         # Updated every batch: a slotted object, because DataLoader.__setattr__ is slow Python.
-        self._progress = _Progress()
+        self._progress = Progress()
         self._skip = 0  # batches to skip at the start of the next iteration
         self._restore_rng = False  # resuming mid-epoch: do not let iter() draw from the RNG
 
@@ -154,21 +155,28 @@ class PreparedDataLoader(DataLoader):
         index_skip = isinstance(shard, ShardedBatchSampler) and skip > 0
         if index_skip:
             shard.skip = skip
-        if self._restore_rng:
-            # The uninterrupted run drew from the global RNG when this epoch's iterator was made,
-            # before the checkpoint; drawing again would shift every later random number.
-            self._restore_rng = False
-            rng = torch.get_rng_state()
+        return self._batches(self._base_iterator(), skip, index_skip)
+
+    def _base_iterator(self, read: bool = True) -> Iterator[Any] | None:
+        """The DataLoader's own iterator; ``read=False`` (a rank that is sent its batches) makes
+        none but takes the same draw from the global RNG, so every rank's RNG stays in step."""
+        restore, self._restore_rng = self._restore_rng, False
+        # Resuming: the uninterrupted run drew from the global RNG when this epoch's iterator was
+        # made, before the checkpoint; drawing again would shift every later random number.
+        rng = torch.get_rng_state() if restore else None
+        if read:
             iterator = super().__iter__()
-            torch.set_rng_state(rng)
         else:
-            iterator = super().__iter__()
-        return self._batches(iterator, skip, index_skip)
+            iterator = None
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # DataLoader's base seed
+        if rng is not None:
+            torch.set_rng_state(rng)
+        return iterator
 
     def _batches(self, iterator: Iterator[Any], skip: int, index_skip: bool) -> Iterator[Any]:
         gs = self._gradient_state
         feed = self._feed
-        progress = self._progress = _Progress()  # a fresh one: an abandoned epoch keeps its own
+        progress = self._progress = Progress()  # a fresh one: an abandoned epoch keeps its own
         progress.count = skip
         progress.in_epoch = True
         if skip and not index_skip:
@@ -226,7 +234,9 @@ def _feeder(device: torch.device | None, non_blocking: bool) -> Callable[[Any], 
     return functools.partial(send_to_device, device=device, non_blocking=non_blocking)
 
 
-class _Progress:
+class Progress:
+    """Where an epoch's iteration is: batches handed out, the last one reached, still going."""
+
     __slots__ = ("count", "end", "in_epoch")
 
     def __init__(self) -> None:
@@ -275,7 +285,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     return skipping()
 
 
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -294,51 +304,21 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: int,
-                        device: torch.device | None, gradient_state: Any,
-                        split_batches: bool = False, even_batches: bool = True,
-                        non_blocking: bool = False, rng_types: list[Any] | None = None,
-                        seedable_sampler: bool = False,
-                        data_seed: int | None = None) -> PreparedDataLoader:
-    """Build the rank's :class:`PreparedDataLoader` for ``loader`` (which is left untouched).
+@dataclass
+class Batching:
+    """How a map-style DataLoader makes its batches, with the shuffle taken over by a policy."""
 
-    ``rng_types``: Accelerate's (``"generator"`` is the shuffle's own generator and always kept
-    in step; ``"torch"``/``"cuda"`` get rank 0's state at every epoch start).
-    ``seedable_sampler``/``data_seed``: a ``RandomSampler`` shuffles epoch ``e`` with
-    ``data_seed + e`` (default: torch's initial seed), as Accelerate's ``use_seedable_sampler``.
-    """
+    batch_sampler: Any
+    batch_size: int | None  # None: a custom batch sampler that does not say
+    drop_last: bool
+    shuffle: ShufflePolicy | None
+    epoch_sampler: Any  # a user's DistributedSampler, told the epoch
 
-    kwargs = _loader_kwargs(loader)
-    dataset = loader.dataset
-    # Accelerate's RNGType members or their names; "generator" is the shuffle's, kept in step anyway.
-    names = [str(getattr(kind, "value", kind)) for kind in rng_types or []]
-    rng_types = [name for name in names if name != "generator"] if num_processes > 1 else []
-    common = dict(gradient_state=gradient_state, device=device, num_processes=num_processes,
-                  non_blocking=non_blocking, rng_types=rng_types)
-    P = num_processes
 
-    if isinstance(dataset, IterableDataset):
-        bs = loader.batch_size
-        if bs is None:
-            raise ValueError("prepare() needs a batched DataLoader (batch_size set) for an iterable dataset")
-        if split_batches:
-            if bs % P:
-                raise ValueError(f"split_batches=True needs a batch size divisible by {P}, got {bs}")
-            per = bs // P
-        else:
-            per = bs
-        shard = None
-        if P > 1:
-            shard = IterableDatasetShard(dataset, per, P, process_index, drop_last=loader.drop_last,
-                                         even_batches=even_batches)
-            data = shard
-        else:
-            data = dataset
-        return PreparedDataLoader(data, shuffle=None, wrapped_sampler=None,
-                                  shard=shard, per_process_batch_size=per,
-                                  total_batch_size=per * P, batch_size=per,
-                                  drop_last=loader.drop_last, **common, **kwargs)
-
+def map_style_batching(loader: DataLoader, kwargs: dict[str, Any], readers: int,
+                       seedable: bool, data_seed: int | None) -> Batching:
+    """The batching of ``loader`` for a prepared copy (``kwargs``, from :func:`loader_kwargs`,
+    are adjusted to it); ``readers`` processes iterate the sampler (1 when rank 0 reads for all)."""
     batch_sampler = loader.batch_sampler
     if batch_sampler is None and isinstance(loader.sampler, BatchSampler):
         # DataLoader(sampler=BatchSampler(...), batch_size=None): the sampler makes the batches.
@@ -348,41 +328,21 @@ def shard_data_loader(loader: DataLoader, *, num_processes: int, process_index: 
     if batch_sampler is None:
         raise ValueError("prepare() needs a batched DataLoader (batch_size or batch_sampler set)")
     sampler = getattr(batch_sampler, "sampler", None)
-    bs = getattr(batch_sampler, "batch_size", None)
-    drop_last = bool(getattr(batch_sampler, "drop_last", loader.drop_last))
-
-    shuffle = None
-    wrapped_sampler = None
+    batching = Batching(batch_sampler, getattr(batch_sampler, "batch_size", None),
+                        bool(getattr(batch_sampler, "drop_last", loader.drop_last)), None, None)
     if isinstance(sampler, DistributedSampler):
-        wrapped_sampler = sampler  # already sharded by the user: only set_epoch each epoch
+        batching.epoch_sampler = sampler  # already sharded by the user: only set_epoch each epoch
     elif sampler is not None and hasattr(sampler, "generator"):
-        shuffle, shuffling_sampler = _shuffle_for(sampler, P, seedable_sampler, data_seed)
+        shuffle, shuffling_sampler = shuffle_for(sampler, readers, seedable, data_seed)
         if loader.generator is not None and loader.generator is sampler.generator:
             kwargs["generator"] = shuffle.generator  # DataLoader(generator=g): one generator, as before
-        batch_sampler = copy.copy(batch_sampler)
-        batch_sampler.sampler = shuffling_sampler
-
-    shard = None
-    per = bs
-    total = bs
-    # With one process the sharded sampler only pays off on its slicing path (torch's own
-    # BatchSampler), where it is faster than BatchSampler's per-index loop.
-    fast = type(batch_sampler) is BatchSampler and bs is not None
-    if wrapped_sampler is None and (P > 1 or fast):
-        shard = ShardedBatchSampler(batch_sampler, P, process_index, split_batches=split_batches,
-                                    even_batches=even_batches, batch_size=bs, drop_last=drop_last)
-        batch_sampler = shard
-        if bs is not None:
-            per, total = (bs // P, bs) if split_batches else (bs, bs * P)
-    elif bs is not None:
-        total = bs * P if wrapped_sampler is not None else bs
-    return PreparedDataLoader(dataset, shuffle=shuffle,
-                              wrapped_sampler=wrapped_sampler, shard=shard,
-                              per_process_batch_size=per, total_batch_size=total,
-                              batch_sampler=batch_sampler, **common, **kwargs)
+        batching.batch_sampler = copy.copy(batch_sampler)
+        batching.batch_sampler.sampler = shuffling_sampler
+        batching.shuffle = shuffle
+    return batching
 
 
-def _shuffle_for(sampler: Any, num_processes: int, seedable: bool,
+def shuffle_for(sampler: Any, num_processes: int, seedable: bool,
                  data_seed: int | None) -> tuple[ShufflePolicy, Any]:
     """The shuffle policy for a copy of the user's shuffling ``sampler``, and that copy."""
     if seedable and isinstance(sampler, RandomSampler):

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -41,17 +42,18 @@ class ShapeMismatchError(DistributedOperationException, ValueError):
     """Tensors handed to a collective differ in shape or dtype between ranks."""
 
 
-def recursively_apply(function: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply ``function`` to every tensor in a nested tuple/list/dict; other leaves are kept."""
-    if isinstance(data, torch.Tensor):
+def recursively_apply(function: Callable[[Any], Any], data: Any, leaf: type = torch.Tensor) -> Any:
+    """Apply ``function`` to every ``leaf`` (a tensor) in a nested tuple/list/mapping; other
+    leaves are kept. Mappings include ``transformers``' ``BatchEncoding`` (not a dict)."""
+    if isinstance(data, leaf):
         return function(data)
     if isinstance(data, (tuple, list)):
-        items = [recursively_apply(function, d) for d in data]
+        items = [recursively_apply(function, d, leaf) for d in data]
         if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
             return type(data)(*items)
         return type(data)(items)
-    if isinstance(data, dict):
-        items = {k: recursively_apply(function, v) for k, v in data.items()}
+    if isinstance(data, Mapping):
+        items = {k: recursively_apply(function, v, leaf) for k, v in data.items()}
         try:
             return type(data)(items)
         except TypeError:
@@ -262,9 +264,14 @@ def concatenate(parts: list[Any], dim: int = 0) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(parts, dim=dim)
     if isinstance(first, (tuple, list)):
-        return type(first)(concatenate([p[i] for p in parts], dim) for i in range(len(first)))
-    if isinstance(first, dict):
-        return type(first)({k: concatenate([p[k] for p in parts], dim) for k in first})
+        items = [concatenate([p[i] for p in parts], dim) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)  # namedtuple
+    if isinstance(first, Mapping):
+        items = {k: concatenate([p[k] for p in parts], dim) for k in first}
+        try:
+            return type(first)(items)
+        except TypeError:
+            return items
     raise TypeError(f"cannot concatenate {type(first).__name__}")
 
 

@@ -103,3 +103,63 @@ def test_shuffled_data_comes_in_the_same_order_as_under_accelerate(case, process
     if processes == 2 and case != "subset":
         first_epoch = [x for rank in ours for batch, _ in rank[:4] for x in batch]
         assert len(first_epoch) == 24 and len(set(first_epoch)) == 23  # shards: all data, 1 repeated
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        yield from range(self.n)
+
+
+DISPATCH_CASES = [  # (data, length, batch size, split_batches, drop_last, use_seedable_sampler)
+    ("stream", 30, 4, False, False, False), ("stream", 31, 4, False, False, False),
+    ("stream", 31, 4, True, False, False), ("stream", 30, 4, False, True, False),
+    ("stream", 1, 4, False, False, False), ("stream", 99, 16, True, False, False),
+    ("list", 31, 4, False, False, False), ("shuffled", 31, 4, False, False, False),
+    ("shuffled", 31, 4, True, True, False), ("shuffled", 23, 3, False, False, True),
+]
+
+
+def dispatched_batches(library: str):
+    """For every case: each rank's batches and what gather_for_metrics makes of them over two
+    epochs, the loader's length, and a random number drawn after each epoch."""
+    if library == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration, set_seed
+    else:
+        from nblaunch import Accelerator
+        from nblaunch.utils import DataLoaderConfiguration, set_seed
+    seen = {}
+    for case in DISPATCH_CASES:
+        data, n, batch_size, split, drop_last, seedable = case
+        set_seed(3)
+        config = DataLoaderConfiguration(dispatch_batches=data != "stream" or None, split_batches=split,
+                                         use_seedable_sampler=seedable)
+        accelerator = Accelerator(dataloader_config=config)
+        dataset = _Stream(n) if data == "stream" else list(range(n))
+        loader = accelerator.prepare(DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
+                                                shuffle=data == "shuffled"))
+        epochs = []
+        for _ in range(2):
+            epochs.append([(b.tolist(), accelerator.gather_for_metrics(b).tolist()) for b in loader])
+            epochs.append(torch.rand(1).item())
+        seen[case] = (epochs, None if data == "stream" else len(loader))
+        if library == "accelerate":
+            accelerator.state._reset_state()
+    return seen
+
+
+def test_dispatched_batches_are_the_same_as_under_accelerate():
+    """dispatch_batches (the default for iterable datasets): rank 0 reads, each rank its part."""
+    ours = notebook_launcher(dispatched_batches, args=("nblaunch",), num_processes=2, display="none")
+    theirs = notebook_launcher(dispatched_batches, args=("accelerate",), num_processes=2, display="none")
+    for rank in (0, 1):
+        for case in DISPATCH_CASES:
+            assert ours[rank][case] == theirs[rank][case], f"rank {rank}, case {case}"
+    for case in DISPATCH_CASES:  # and the run saw the data: every sample, each once, per epoch
+        epoch = ours[0][case][0][0]
+        gathered = sorted(x for _, together in epoch for x in together)
+        n, drop_last = case[1], case[4]
+        assert gathered == list(range(n)) or drop_last, case

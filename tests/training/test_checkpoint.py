@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from nblaunch.training import Accelerator, set_seed
+from nblaunch.training import Accelerator, DataLoaderConfiguration, set_seed
 
 EPOCHS, STOP_AT = 2, 7  # 5 batches per rank and epoch: step 7 is in the middle of epoch 2
 
@@ -24,9 +24,9 @@ class Counter:
         self.steps = state["steps"]
 
 
-def _setup(seed):
+def _setup(seed, dispatch):
     set_seed(seed)  # a fresh launch with another seed must still resume exactly
-    acc = Accelerator(mixed_precision="fp16")
+    acc = Accelerator(mixed_precision="fp16", dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 1, generator=g))
     model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
@@ -52,9 +52,9 @@ def _weights(acc, model):
     return [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
 
 
-def _first_run(ckpt):
+def _first_run(ckpt, dispatch):
     # uninterrupted
-    acc, model, opt, loader, sched, counter = _setup(0)
+    acc, model, opt, loader, sched, counter = _setup(0, dispatch)
     seen = []
     for _ in range(EPOCHS):
         for batch in loader:
@@ -62,7 +62,7 @@ def _first_run(ckpt):
             _step(acc, model, opt, sched, batch)
     full = {"weights": _weights(acc, model), "seen": seen, "lr": sched.get_last_lr()}
     # interrupted at STOP_AT
-    acc, model, opt, loader, sched, counter = _setup(0)
+    acc, model, opt, loader, sched, counter = _setup(0, dispatch)
     done = False
     for _ in range(EPOCHS):
         for batch in loader:
@@ -77,10 +77,10 @@ def _first_run(ckpt):
     return full
 
 
-def _resume(ckpt):
+def _resume(ckpt, dispatch):
     out = {}
     # nblaunch style: load_state puts the loader back where it was
-    acc, model, opt, loader, sched, counter = _setup(123)
+    acc, model, opt, loader, sched, counter = _setup(123, dispatch)
     acc.load_state(ckpt)
     seen = []
     for _ in range(loader.epoch, EPOCHS):
@@ -90,7 +90,7 @@ def _resume(ckpt):
     out["auto"] = {"weights": _weights(acc, model), "seen": seen, "lr": sched.get_last_lr(),
                    "steps": counter.steps}
     # Accelerate style: skip_first_batches for the resumed epoch, then the loader itself
-    acc, model, opt, loader, sched, counter = _setup(456)
+    acc, model, opt, loader, sched, counter = _setup(456, dispatch)
     acc.load_state(ckpt)
     per_epoch = len(loader)
     start_epoch, resume_step = divmod(counter.steps, per_epoch)
@@ -106,14 +106,16 @@ def _resume(ckpt):
 
 # One process: the shuffle draws from the global RNG as in plain PyTorch, and resuming must find
 # the interrupted epoch's order all the same.
+# Dispatched (rank 0 reads for all): rank 0 passes over the used rounds on resuming.
+@pytest.mark.parametrize("dispatch", [False, True])
 @pytest.mark.parametrize("processes", [2, 1])
-def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path, processes):
+def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path, processes, dispatch):
     ckpt = str(tmp_path / "ckpt")
-    full = launch(_first_run, ckpt, num_processes=processes)
+    full = launch(_first_run, ckpt, dispatch, num_processes=processes)
     assert sorted(os.listdir(ckpt)) == sorted(
         ["custom_checkpoint_0.pkl", "model.bin", "optimizer.bin", "scaler.pt", "scheduler.bin"]
         + [f"rank_{r}.pkl" for r in range(processes)])
-    resumed = launch(_resume, ckpt, num_processes=processes)
+    resumed = launch(_resume, ckpt, dispatch, num_processes=processes)
     for rank in range(processes):
         expected = full[rank]
         for style in ("auto", "skip"):

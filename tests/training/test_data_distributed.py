@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
 
-from nblaunch.training import Accelerator
+from nblaunch.training import Accelerator, DataLoaderConfiguration
 
 
 class Stream(IterableDataset):
@@ -63,13 +63,15 @@ def _data_checks():
     acc_uneven = Accelerator(even_batches=False)
     uneven = acc_uneven.prepare(DataLoader(torch.arange(11), batch_size=3))
     out["metrics_uneven"] = torch.cat([acc_uneven.gather_for_metrics(b) for b in uneven]).tolist()
-    # Iterable dataset: each rank takes its slice of every round.
+    # Iterable dataset, by default as in Accelerate: rank 0 reads each round and dispatches it.
     it = acc.prepare(DataLoader(Stream(10), batch_size=3))
-    batches = []
-    for b in it:
-        batches.append(b.tolist())
-    out["iterable"] = batches
+    out["iterable"] = [b.tolist() for b in it]
     out["iterable_metrics"] = torch.cat([acc.gather_for_metrics(b) for b in it]).tolist()
+    # dispatch_batches=False: each rank reads the stream and takes its slice of every round.
+    acc_sharded = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
+    it = acc_sharded.prepare(DataLoader(Stream(10), batch_size=3))
+    out["iterable_sharded"] = [b.tolist() for b in it]
+    out["iterable_sharded_metrics"] = torch.cat([acc_sharded.gather_for_metrics(b) for b in it]).tolist()
     return out
 
 
@@ -123,6 +125,9 @@ def test_gather_for_metrics_returns_exactly_the_dataset(results):
         assert r["metrics_objects"] == [f"s{i}" for i in range(10)]
         assert r["metrics_dict"] == list(range(10))
         assert r["metrics_uneven"] == list(range(11))
-        assert r["iterable_metrics"] == list(range(10))
-    assert results[0]["iterable"] == [[0, 1, 2], [6, 7, 8]]
-    assert results[1]["iterable"] == [[3, 4, 5], [9, 0, 1]]
+        assert r["iterable_metrics"] == r["iterable_sharded_metrics"] == list(range(10))
+    # The last round [6, 7, 8, 9] is split evenly; sharded, rank 1 repeats the first samples.
+    assert results[0]["iterable"] == [[0, 1, 2], [6, 7]]
+    assert results[1]["iterable"] == [[3, 4, 5], [8, 9]]
+    assert results[0]["iterable_sharded"] == [[0, 1, 2], [6, 7, 8]]
+    assert results[1]["iterable_sharded"] == [[3, 4, 5], [9, 0, 1]]
