@@ -32,7 +32,7 @@ _TRAINING_NAMES = {
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
-    "DataLoaderDispatcher",
+    "DataLoaderDispatcher", "LocalSGD",
 }
 
 
@@ -64,6 +64,7 @@ __all__ = [
     "prepare_data_loader",
     "SeedableRandomSampler",
     "DataLoaderDispatcher",
+    "LocalSGD",
     "debug_launcher",
     "Launch",
     "progress",

@@ -27,12 +27,14 @@ from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gat
                                    pad_across_processes, reduce, send_to_device)
 from nblaunch.training.seed import set_seed
 from nblaunch.training.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
-from nblaunch.training.state import (AcceleratorState, DistributedType, GradientState, PartialState,
+from nblaunch.training.local_sgd import LocalSGD
+from nblaunch.training.gradient_state import GradientState
+from nblaunch.training.state import (AcceleratorState, DistributedType, PartialState,
                                      reset_process_state)
 
 __all__ = [
     "Accelerator", "PartialState", "AcceleratorState", "GradientState", "DistributedType", "reset_process_state",
-    "prepare_data_loader", "SeedableRandomSampler", "DataLoaderDispatcher",
+    "prepare_data_loader", "SeedableRandomSampler", "DataLoaderDispatcher", "LocalSGD",
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "set_seed", "skip_first_batches",

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.state import GradientState
+from nblaunch.training.gradient_state import GradientState
 
 
 class Accumulate:

@@ -25,7 +25,8 @@ from nblaunch.training.data import PreparedDataLoader, loader_kwargs, map_style_
 from nblaunch.training.dispatch import DataLoaderDispatcher, dispatch_data_loader
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.shuffle import SeedableRandomSampler
-from nblaunch.training.state import GradientState, PartialState
+from nblaunch.training.gradient_state import GradientState
+from nblaunch.training.state import PartialState
 
 __all__ = ["prepare_data_loader", "build_prepared_loader", "shard_data_loader",
            "SeedableRandomSampler", "DataLoaderDispatcher"]

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from nblaunch.training import xla
-from nblaunch.training.state import GradientState
+from nblaunch.training.gradient_state import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 

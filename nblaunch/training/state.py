@@ -29,7 +29,6 @@ import contextlib
 import enum
 import functools
 import os
-import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -38,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from nblaunch.training import xla
+from nblaunch.training.splitting import split_inputs
 
-__all__ = ["DistributedType", "PartialState", "AcceleratorState", "GradientState", "reset_process_state"]
+__all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state"]
 
 # The launch variables; a state built under other values (or in another pid) is stale.
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
@@ -321,7 +321,7 @@ class PartialState:
             with state.split_between_processes(["a", "b", "c"]) as prompts:
                 ...  # rank 0: ["a", "b"], rank 1: ["c"]
         """
-        yield _split(inputs, self.process_index, self.num_processes, apply_padding)
+        yield split_inputs(inputs, self.process_index, self.num_processes, apply_padding)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the local main process only."""
@@ -369,78 +369,9 @@ class AcceleratorState(PartialState):
             reset_process_state()
 
 
-class GradientState:
-    """Gradient-accumulation bookkeeping of one Accelerator (not shared between Accelerators).
-
-    ``sync_gradients`` is True on the micro-step where gradients are all-reduced and the optimizer
-    really steps; ``end_of_dataloader`` is True while the last batch of a prepared DataLoader is
-    being processed; ``active_dataloader`` is the prepared DataLoader being iterated (innermost).
-    """
-
-    __slots__ = ("num_steps", "sync_gradients", "step", "_loaders", "sync_with_dataloader")
-
-    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True) -> None:
-        self.num_steps = num_steps
-        self.sync_gradients = True
-        self.step = 0  # micro-steps since the last sync
-        self._loaders: list[Any] = []  # prepared DataLoaders being iterated, innermost last
-        self.sync_with_dataloader = sync_with_dataloader
-
-    @staticmethod
-    def _reset_state() -> None:
-        """Accelerate's reset of its shared gradient state; here each Accelerator has its own."""
-
-    @property
-    def active_dataloader(self) -> Any:
-        return self._loaders[-1] if self._loaders else None
-
-    @property
-    def in_dataloader(self) -> bool:
-        return bool(self._loaders)
-
-    @property
-    def end_of_dataloader(self) -> bool:
-        """True while the last batch of the innermost prepared DataLoader is being used."""
-        return self._loaders[-1].end_of_dataloader if self._loaders else False
-
-    def _enter_loader(self, loader: Any) -> None:
-        self._loaders.append(loader)
-
-    def _leave_loader(self, loader: Any) -> None:
-        for i in range(len(self._loaders) - 1, -1, -1):
-            if self._loaders[i] is loader:
-                del self._loaders[i]
-                break
-
-    def __repr__(self) -> str:
-        return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "
-                f"end_of_dataloader={self.end_of_dataloader})")
-
-
 def _debug_mode() -> bool:
     """Accelerate's ``ACCELERATE_DEBUG_MODE`` (nblaunch's collectives check shapes always)."""
     return os.environ.get("ACCELERATE_DEBUG_MODE", "").strip().lower() in ("1", "true", "yes", "y", "on")
-
-
-def _split(inputs: Any, index: int, count: int, apply_padding: bool) -> Any:
-    if isinstance(inputs, dict):
-        return {k: _split(v, index, count, apply_padding) for k, v in inputs.items()}
-    length = len(inputs)
-    per, extra = divmod(length, count)
-    start = index * per + min(index, extra)
-    end = start + per + (1 if index < extra else 0)
-    missing = (per + (1 if extra else 0)) - (end - start) if apply_padding and length else 0
-    datasets = sys.modules.get("datasets")
-    if datasets is not None and isinstance(inputs, datasets.Dataset):
-        # Slicing a datasets.Dataset gives a dict of columns; select keeps it a Dataset.
-        return inputs.select(list(range(start, end)) + [length - 1] * missing)
-    part = inputs[start:end]
-    if missing:  # padded with the last item of all, as Accelerate does
-        if isinstance(part, torch.Tensor):
-            part = torch.cat([part, inputs[-1:].expand(missing, *inputs.shape[1:])])
-        else:
-            part = part + type(part)(inputs[-1:]) * missing
-    return part
 
 
 # Destroyed groups are kept until the process exits. A DDP model that outlives its group holds

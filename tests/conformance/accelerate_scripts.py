@@ -33,7 +33,7 @@ _PORT = [
     (re.compile(r"\baccelerate\.test_utils\b"), "ACCELERATE_TEST_UTILS"),
     (re.compile(r"\baccelerate\.utils(\.[a-z_]+)?\b"), "nblaunch.utils"),
     (re.compile(r"\baccelerate\.logging\b"), "nblaunch.logging"),
-    (re.compile(r"\baccelerate\.(accelerator|state|data_loader)\b"), "nblaunch"),
+    (re.compile(r"\baccelerate\.(accelerator|state|data_loader|local_sgd)\b"), "nblaunch"),
     (re.compile(r"\bfrom accelerate import\b"), "from nblaunch import"),
     (re.compile(r"ACCELERATE_TEST_UTILS"), "accelerate.test_utils"),
 ]

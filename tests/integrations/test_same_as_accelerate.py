@@ -163,3 +163,45 @@ def test_dispatched_batches_are_the_same_as_under_accelerate():
         gathered = sorted(x for _, together in epoch for x in together)
         n, drop_last = case[1], case[4]
         assert gathered == list(range(n)) or drop_last, case
+
+
+def local_sgd_run(library: str):
+    """Eight steps under LocalSGD(local_sgd_steps=3): the weights after every step."""
+    if library == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.local_sgd import LocalSGD
+        from accelerate.utils import set_seed
+    else:
+        from nblaunch import Accelerator, LocalSGD
+        from nblaunch.utils import set_seed
+    set_seed(0)
+    accelerator = Accelerator()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 4, generator=g)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))
+    after_step = []
+    with LocalSGD(accelerator, model, local_sgd_steps=3) as local_sgd:
+        for inputs, targets in loader:
+            accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+            local_sgd.step()
+            after_step.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    final = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return after_step, final
+
+
+def test_local_sgd_steps_and_averages_as_under_accelerate():
+    ours = notebook_launcher(local_sgd_run, args=("nblaunch",), num_processes=2, display="none")
+    theirs = notebook_launcher(local_sgd_run, args=("accelerate",), num_processes=2, display="none")
+    for (our_steps, our_final), (their_steps, their_final) in zip(ours, theirs):
+        torch.testing.assert_close(torch.stack(our_steps), torch.stack(their_steps), rtol=0, atol=1e-6)
+        torch.testing.assert_close(our_final, their_final, rtol=0, atol=1e-6)
+    (rank0, final0), (rank1, final1) = ours
+    for step, (a, b) in enumerate(zip(rank0, rank1), start=1):
+        # Local steps part the ranks (their batches differ); every third step joins them again.
+        assert torch.equal(a, b) == (step % 3 == 0), step
+    assert torch.equal(final0, final1)  # averaged on leaving the block

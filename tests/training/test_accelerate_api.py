@@ -204,3 +204,28 @@ def test_accelerates_data_loader_functions_under_their_names(launch):
         assert r["epochs_differ"] and r["replayed"] and r["copied"] == [4.0, 5.0]
         assert r["mixed_precision"] == "no"
     assert r0["orders"] == r1["orders"]  # the seed, not the rank, decides the order
+
+
+def _profiled(trace_dir):
+    from nblaunch import Accelerator, ProfileKwargs
+
+    accelerator = Accelerator(kwargs_handlers=[ProfileKwargs(output_trace_dir=trace_dir, record_shapes=True)])
+    with accelerator.profile() as prof:
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    names = {event.key for event in prof.key_averages()}
+    # A handler given to profile() is used instead; Accelerate's own class too.
+    from accelerate.utils import ProfileKwargs as Theirs
+
+    with accelerator.profile(Theirs(activities=["cpu"])) as prof:
+        torch.relu(torch.ones(3))
+    return "aten::mm" in names, "aten::relu" in {event.key for event in prof.key_averages()}
+
+
+def test_profile_writes_each_ranks_trace(launch, tmp_path):
+    import json
+
+    assert launch(_profiled, str(tmp_path)) == [(True, True)] * 2
+    for rank in (0, 1):
+        with open(tmp_path / f"profile_{rank}.json") as f:
+            trace = json.load(f)
+        assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])

@@ -1,0 +1,62 @@
+"""What one ``Accelerator`` knows about gradient accumulation and the DataLoader being iterated:
+read by the prepared optimizer, scheduler and ``accumulate``, updated by the prepared loaders.
+
+Example::
+
+    gs = GradientState(num_steps=2)
+    gs.sync_gradients   # True on the micro-step whose gradients are all-reduced
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GradientState"]
+
+
+class GradientState:
+    """Gradient-accumulation bookkeeping of one Accelerator (not shared between Accelerators).
+
+    ``sync_gradients`` is True on the micro-step where gradients are all-reduced and the optimizer
+    really steps; ``end_of_dataloader`` is True while the last batch of a prepared DataLoader is
+    being processed; ``active_dataloader`` is the prepared DataLoader being iterated (innermost).
+    """
+
+    __slots__ = ("num_steps", "sync_gradients", "step", "_loaders", "sync_with_dataloader")
+
+    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True) -> None:
+        self.num_steps = num_steps
+        self.sync_gradients = True
+        self.step = 0  # micro-steps since the last sync
+        self._loaders: list[Any] = []  # prepared DataLoaders being iterated, innermost last
+        self.sync_with_dataloader = sync_with_dataloader
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's reset of its shared gradient state; here each Accelerator has its own."""
+
+    @property
+    def active_dataloader(self) -> Any:
+        return self._loaders[-1] if self._loaders else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self._loaders)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """True while the last batch of the innermost prepared DataLoader is being used."""
+        return self._loaders[-1].end_of_dataloader if self._loaders else False
+
+    def _enter_loader(self, loader: Any) -> None:
+        self._loaders.append(loader)
+
+    def _leave_loader(self, loader: Any) -> None:
+        for i in range(len(self._loaders) - 1, -1, -1):
+            if self._loaders[i] is loader:
+                del self._loaders[i]
+                break
+
+    def __repr__(self) -> str:
+        return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "
+                f"end_of_dataloader={self.end_of_dataloader})")
