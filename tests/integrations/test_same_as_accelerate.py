@@ -205,3 +205,65 @@ def test_local_sgd_steps_and_averages_as_under_accelerate():
         # Local steps part the ranks (their batches differ); every third step joins them again.
         assert torch.equal(a, b) == (step % 3 == 0), step
     assert torch.equal(final0, final1)  # averaged on leaving the block
+
+
+def checkpointed_run(library: str, ckpt: str, resume: bool, seedable: bool, dropout: float):
+    """Two epochs with dropout, AdamW and a schedule; stopped after step 7 (mid-epoch 2) with
+    save_state, or resumed from there in a fresh launch the way Accelerate's examples do it
+    (load_state, then skip_first_batches for the rest of the epoch). The final weights."""
+    if library == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration, set_seed
+    else:
+        from nblaunch import Accelerator
+        from nblaunch.utils import DataLoaderConfiguration, set_seed
+    set_seed(123 if resume else 0)  # a resumed run gets its random state from the checkpoint
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 1, generator=g))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                                torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+    loader = DataLoader(data, batch_size=4, shuffle=seedable)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    steps, stop_at = 0, 7
+    if resume:
+        accelerator.load_state(ckpt)
+        steps = stop_at
+    start_epoch, skip = divmod(steps, len(loader))
+    for epoch in range(start_epoch, 2):
+        if seedable:
+            loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if epoch == start_epoch and skip else loader
+        for x, y in batches:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            steps += 1
+            if steps == stop_at and not resume:
+                accelerator.save_state(ckpt)
+    return torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
+
+
+# Accelerate's own resume drifts with dropout (the resumed epoch's iterator draws from the restored
+# RNG) and with a seedable shuffle (the resumed epoch comes in another order); nblaunch's does not.
+@pytest.mark.parametrize("seedable, dropout, accelerate_exact", [(False, 0.0, True), (False, 0.3, False),
+                                                                  (True, 0.0, False)],
+                         ids=["in order", "dropout", "seedable shuffle"])
+def test_a_resumed_run_ends_with_the_same_weights_as_under_accelerate(tmp_path, seedable, dropout,
+                                                                      accelerate_exact):
+    finals = {}
+    for library in ("nblaunch", "accelerate"):
+        ckpt = str(tmp_path / library)
+        uninterrupted = notebook_launcher(checkpointed_run, args=(library, ckpt, False, seedable, dropout),
+                                          num_processes=2, display="none")
+        resumed = notebook_launcher(checkpointed_run, args=(library, ckpt, True, seedable, dropout),
+                                    num_processes=2, display="none")
+        finals[library] = (uninterrupted[0], resumed[0])
+    ours, theirs = finals["nblaunch"], finals["accelerate"]
+    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=1e-6)  # the uninterrupted runs
+    torch.testing.assert_close(ours[1], ours[0], rtol=0, atol=1e-6)  # resuming changed nothing
+    assert torch.allclose(theirs[1], theirs[0], rtol=0, atol=1e-6) == accelerate_exact
