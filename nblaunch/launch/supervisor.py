@@ -84,6 +84,7 @@ class Supervisor:
         self._ranks = {pipes.rank: _Rank(pipes, process) for process in processes for pipes in process.ranks}
         self._selector = selectors.DefaultSelector()
         self._stacks: dict[int, str] = {}
+        self._shown_failed: list[int] = []  # ranks in the order their failure was shown
         self._stopping = False
         self._output_trickle = False
         self._cancel_requested = False
@@ -284,6 +285,7 @@ class Supervisor:
         if not rank.report_complete:
             failure.reason += " (stopped before it could send its traceback)"
         detail = "\n".join(filter(None, [failure.reason, failure.traceback.rstrip(), failure.hint]))
+        self._shown_failed.append(rank.number)
         self._emit(RankFinished(rank=rank.number, state=RankState.FAILED, detail=detail, exitcode=code))
 
     # ----------------------------------------------------------------------------- stopping
@@ -340,9 +342,11 @@ class Supervisor:
             self._wake_read = self._wake_write = -1
 
     def _failure_error(self, failures: list[_Rank]) -> RankFailedError:
-        # The root cause first: a rank's own error before errors that a dead peer caused,
-        # then in the order they happened (the workers' clocks are the same system-wide clock).
-        ordered = sorted(failures, key=lambda r: (r.failure.collateral, r.failed_at))
+        # The root cause first: a rank's own error before errors that a dead peer caused, then
+        # in the order the display showed them failing, so that what the user saw first is what
+        # is blamed (ranks failing on the same line differ by a millisecond either way).
+        shown = {number: i for i, number in enumerate(self._shown_failed)}
+        ordered = sorted(failures, key=lambda r: (r.failure.collateral, shown.get(r.number, len(shown)), r.failed_at))
         root = ordered[0].failure
         finished = sorted(r.number for r in self._ranks.values() if r.has_result and r.failure is None)
         if root.collateral and finished:  # nobody broke: someone left while others still waited

@@ -202,3 +202,25 @@ def test_stacks_start_at_the_users_function_not_at_the_launchers_frames():
     frames = [line for line in main_thread.splitlines() if line.lstrip().startswith("File ")]
     assert "in hangs_in_a_collective" in frames[0]  # nothing of pytest, the launcher or the fork before it
     assert not any("nblaunch" in frame for frame in frames)
+
+
+def every_rank_imports_a_missing_module():
+    import nonexistent_module_for_blame  # noqa: F401
+
+
+def test_when_ranks_fail_alike_the_rank_shown_failing_first_is_the_one_blamed():
+    # Both ranks fail on the same line within a millisecond: which is "first" is a coin toss,
+    # but the display's first failure, the summary and the error must name the same rank.
+    from tests.conftest import Recorder
+    from nblaunch.events import LaunchFinished
+
+    for _ in range(25):
+        recorder = Recorder()
+        with pytest.raises(RankFailedError) as caught:
+            notebook_launcher(every_rank_imports_a_missing_module, num_processes=2, display=recorder)
+        shown = [e.rank for e in recorder.of(RankFinished) if e.state == RankState.FAILED]
+        assert sorted(shown) == [0, 1]
+        (finished,) = recorder.of(LaunchFinished)
+        assert caught.value.root_cause.rank == finished.root_cause_rank == shown[0]
+        assert finished.summary.startswith(f"rank {shown[0]} failed")
+        assert caught.value.ranks == shown
