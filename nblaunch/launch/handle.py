@@ -59,6 +59,7 @@ class Launch:
         self._cancel_requested = False
         self._rank_states: dict[int, RankState] = {}
         self._status = "starting"
+        self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
         self.launch_id = uuid.uuid4().hex
         # First, on the caller's thread: the imports for the ranks touch os.environ, which a
@@ -110,7 +111,12 @@ class Launch:
             return log.read()
 
     def __repr__(self) -> str:
-        return f"<Launch {self.plan.function_name} on {self.plan.num_processes} processes: {self.status}>"
+        # A saved cell keeps this text for good: a state that can still change says it was a moment's.
+        head = f"<Launch {self.plan.function_name} on {self.plan.num_processes} processes, made at {self._made_at}"
+        status = self.status
+        if status in ("starting", "running"):
+            return f"{head}: {status} when shown; .status says now, .result() waits for the end>"
+        return f"{head}: {status}>"
 
     # ------------------------------------------------------------------ running it
     def _start_in_background(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -33,10 +34,14 @@ def test_a_non_blocking_launch_returns_a_handle_and_later_its_results(tmp_path):
     while "waiting" not in launch.logs(1) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert launch.status == "running"
+    # Its repr stays in a saved cell: while it can change it says it is a moment's state.
+    assert re.fullmatch(r"<Launch wait_for_go on 2 processes, made at \d\d:\d\d:\d\d: running when shown; "
+                        r"\.status says now, \.result\(\) waits for the end>", repr(launch))
     assert "rank 1 waiting" in launch.logs(1)
     go.touch()
     assert launch.result(timeout=30) == [0, 1]
     assert launch.done() and launch.status == "done"
+    assert repr(launch).endswith(": done>")
     assert launch.ranks == {0: RankState.DONE, 1: RankState.DONE}
     assert not launch.cancel()
 
