@@ -39,6 +39,8 @@ class SmallCNN(nn.Module):
 
 def train_digits(epochs: int = 5, batch_size: int = 32, lr: float = 2e-3, mixed_precision: str | None = None) -> dict:
     """The training function each rank runs; returns this rank's view of the results."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
     from nblaunch import Accelerator, set_seed
 
     set_seed(0)

@@ -6,7 +6,10 @@ launching thread, so in a notebook the lines land in the cell that launched.
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import sysconfig
 import time
 from typing import TextIO
 
@@ -37,6 +40,7 @@ class TextDisplay:
         self._err = err
         self._last_shown: dict[tuple, float] = {}
         self._last_metrics: dict[int, tuple[dict, int | None]] = {}
+        self._log_dir: str | None = None
 
     # Resolved per call: in a notebook sys.stdout is swapped per cell.
     def _stream(self, stream: str) -> TextIO:
@@ -63,9 +67,11 @@ class TextDisplay:
             prefix = f"[rank {event.rank}] "
             self._print("\n".join(prefix + line for line in event.lines), event.stream)
         elif isinstance(event, LaunchStarted):
+            self._log_dir = event.log_dir
             self._print(
-                f"nblaunch: {event.function_name} on {event.num_processes} process(es) ({event.devices}), "
-                f"{event.start_method}: {event.start_reason}; rendezvous {event.rendezvous}"
+                f"nblaunch: {event.function_name} on {event.num_processes} "
+                f"process{'' if event.num_processes == 1 else 'es'} ({event.devices}), started by {event.start_method} "
+                f"({event.start_reason}), meeting at {event.rendezvous}"
                 + (f"; logs in {event.log_dir}" if event.log_dir else "")
             )
         elif isinstance(event, Progress):
@@ -78,8 +84,10 @@ class TextDisplay:
                 self._print_metrics(event.rank, event.values, event.step)
                 self._last_metrics.pop(event.rank)
         elif isinstance(event, Stacks):
-            body = "\n".join(f"[rank {event.rank}]   {line}" for line in event.text.rstrip().splitlines())
-            self._print(f"[rank {event.rank}] stack where it was stopped:\n{body}", "stderr")
+            # One line: where the rank was; the whole stack of every thread is in its log.
+            where = where_stopped(event.text)
+            log = f" (whole stack: {os.path.join(self._log_dir, f'rank{event.rank}.log')})" if self._log_dir else ""
+            self._print(f"[rank {event.rank}] stopped {where}{log}", "stderr")
         elif isinstance(event, RankFinished):
             if event.state == RankState.FAILED:
                 self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")
@@ -99,3 +107,35 @@ class TextDisplay:
 
     def close(self) -> None:
         pass
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+# Frames of Python itself, of installed packages and of nblaunch (but its demo, which is the
+# user's code when it runs): a user wants to know where *their* code was.
+_NOT_USER = tuple(os.path.realpath(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib"))
+_OURS = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+_OUR_EXAMPLES = (os.path.join(_OURS, "demo.py"),)
+
+
+def _is_users(path: str) -> bool:
+    path = os.path.realpath(path)
+    if path.startswith(_OURS + os.sep):
+        return path in _OUR_EXAMPLES
+    return not path.startswith(_NOT_USER)
+
+
+def where_stopped(stack_text: str) -> str:
+    """``in function at file.py:line, `code` `` for the innermost frame of the first thread's stack
+    (``format_stacks``' text) that is the user's own, else its innermost frame."""
+    first_thread = re.split(r"\n(?=Thread )", stack_text.strip())[0].splitlines()
+    frames = []
+    for i, line in enumerate(first_thread):
+        match = _FRAME.match(line)
+        if match:
+            code = first_thread[i + 1].strip() if i + 1 < len(first_thread) and not _FRAME.match(first_thread[i + 1]) else ""
+            frames.append((match["path"], match["line"], match["function"], code))
+    if not frames:
+        return "(no stack)"
+    own = [f for f in frames if _is_users(f[0])]
+    path, line, function, code = (own or frames)[-1]
+    return f"in {function} at {os.path.basename(path)}:{line}" + (f", `{code}`" if code else "")

@@ -51,10 +51,10 @@ class LaunchPlan:
     @property
     def devices(self) -> str:
         if self.device_kind == "xla":
-            return f"{self.num_processes} XLA device(s) ({os.environ.get('PJRT_DEVICE') or 'TPU'})"
+            return f"{plural(self.num_processes, 'XLA device')} ({os.environ.get('PJRT_DEVICE') or 'TPU'})"
         if self.device_kind == "cuda":
-            return f"{self.num_processes} CUDA device(s)"
-        threads = f", {self.threads} thread(s) each" if self.threads else ""
+            return plural(self.num_processes, "CUDA GPU")
+        threads = f", {plural(self.threads, 'thread')} each" if self.threads else ""
         return f"CPU{threads}"
 
     def rank_environ(self, local_rank: int) -> dict[str, str]:
@@ -107,6 +107,11 @@ def _port(value: Any) -> int | None:
     return port
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _start_method(requested: str | None, force_cpu: bool) -> tuple[str, str]:
     if requested is not None and requested not in START_METHODS:
         raise LaunchConfigError(f"start_method must be None (choose for me), 'fork', 'spawn' or 'xla', got {requested!r}")
@@ -126,7 +131,7 @@ def _start_method(requested: str | None, force_cpu: bool) -> tuple[str, str]:
         return "spawn", "CUDA is already initialised in this process, and forked workers could not use it"
     if requested == "fork":
         return "fork", "asked for with start_method='fork'"
-    return "fork", "fastest, and the workers share this process's memory"
+    return "fork", "the quickest start: each process begins as a copy of this one"
 
 
 def check_call(function: Callable, args: tuple) -> None:
@@ -260,8 +265,6 @@ def make_plan(
     check_open_files(num_processes)
     method, reason = _start_method(start_method, force_cpu)
     master_port = ports.choose_port(master_addr, port, hosted_here=node_rank == 0)
-    if port is None and num_nodes == 1:
-        reason += "; free port chosen"
     return LaunchPlan(
         function_name=getattr(function, "__qualname__", None) or repr(function),
         num_processes=num_processes,

@@ -1,0 +1,105 @@
+"""The command line as a terminal user meets it: ``python -m nblaunch`` and the ``nblaunch``
+script, run as real processes (the demo trains for real on 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nblaunch", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("option", ["--epochs", "--num-processes"])
+@pytest.mark.parametrize("value, says", [("0", "must be at least 1, got 0"), ("-3", "must be at least 1"),
+                                         ("two", "expected a whole number, got 'two'")])
+def test_a_bad_number_is_a_usage_error_before_anything_starts(option, value, says):
+    done = run("demo", option, value)
+    assert done.returncode == 2
+    assert f"argument {option}: {says}" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_one_epoch_trains_and_says_so():
+    done = run("demo", "--epochs", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("nblaunch: train_digits on 2 processes (CPU, ")
+    assert "started by fork (the quickest start: each process begins as a copy of this one)" in lines[0]
+    assert re.match(r"test accuracy 0\.\d{3} after 1 epoch; training loss ", lines[-2])
+    assert lines[-1] == "all 2 processes agree on the result"
+
+
+def test_one_process_shows_a_launch_line_and_no_agreement_claim():
+    done = run("demo", "--epochs", "1", "--num-processes", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("nblaunch: train_digits on 1 process, this one")
+    assert "agree" not in done.stdout
+
+
+def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
+    # A terminal's Ctrl-C reaches the whole foreground process group.
+    process = subprocess.Popen([sys.executable, "-m", "nblaunch", "demo", "--epochs", "200"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in process.stdout:
+        if "epoch 1/200" in line:
+            break
+    os.killpg(process.pid, signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+    stopped = re.findall(r"^\[rank (\d)\] stopped in \S+ at \S+:\d+.*\(whole stack: (\S+)\)$", rest, re.M)
+    assert sorted(rank for rank, _ in stopped) == ["0", "1"], rest
+    for _, log in stopped:  # the stacks went to the log
+        with open(log, encoding="utf-8") as f:
+            assert "--- stack when the launch stopped ---\nThread MainThread" in f.read()
+    assert rest.rstrip().splitlines()[-1].startswith("nblaunch: interrupted after")
+    assert len(rest.splitlines()) <= 10, rest
+
+
+def test_without_scikit_learn_it_says_what_to_install(tmp_path):
+    fake = tmp_path / "sklearn"  # a scikit-learn that is not there
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'sklearn'\")\n")
+    done = run("demo", env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("nblaunch demo: the demo needs scikit-learn, which is not installed. "
+                                   "Install it with: pip install 'nblaunch[examples]'")
+    assert done.stdout == ""
+
+
+def test_help_is_plain_text_with_every_option_explained():
+    top = run("--help")
+    demo = run("demo", "--help")
+    assert top.returncode == demo.returncode == 0
+    for text in (top.stdout, demo.stdout):
+        assert "``" not in text and ":func:" not in text
+    assert top.stdout.startswith("usage: python -m nblaunch ")
+    # Every option says what it does and its default.
+    options = re.findall(r"^  (--[a-z-]+)", demo.stdout, re.M)
+    assert options == ["--num-processes", "--epochs", "--mixed-precision", "--start-method"]
+    assert " ".join(demo.stdout.split()).count("(default: ") == len(options)
+
+
+def test_version_and_the_installed_script_name():
+    from nblaunch import __version__
+
+    done = run("--version")
+    assert (done.returncode, done.stdout.strip()) == (0, f"nblaunch {__version__}")
+    script = shutil.which("nblaunch", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the nblaunch script is not installed next to this Python")
+    usage = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert usage.startswith("usage: nblaunch ")
