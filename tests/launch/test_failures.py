@@ -218,8 +218,9 @@ def test_when_ranks_fail_alike_the_rank_shown_failing_first_is_the_one_blamed():
         recorder = Recorder()
         with pytest.raises(RankFailedError) as caught:
             notebook_launcher(every_rank_imports_a_missing_module, num_processes=2, display=recorder)
+        # Usually both fail; under load one may be stopped before it gets that far.
         shown = [e.rank for e in recorder.of(RankFinished) if e.state == RankState.FAILED]
-        assert sorted(shown) == [0, 1]
+        assert shown and set(shown) <= {0, 1}
         (finished,) = recorder.of(LaunchFinished)
         assert caught.value.root_cause.rank == finished.root_cause_rank == shown[0]
         assert finished.summary.startswith(f"rank {shown[0]} failed")
