@@ -19,6 +19,7 @@ from nblaunch.launch.errors import (
     RankFailedError,
     RankFailure,
     LaunchCancelledError,
+    LaunchInterrupted,
     RemoteError,
 )
 from nblaunch.worker.progress import progress
@@ -69,6 +70,7 @@ __all__ = [
     "Launch",
     "progress",
     "LaunchCancelledError",
+    "LaunchInterrupted",
     "LaunchConfigError",
     "LaunchTimeoutError",
     "RankFailedError",

@@ -8,6 +8,7 @@ are in the launch's log), 2 for a usage error, 130 after Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     try:
-        import sklearn.datasets  # noqa: F401 (imported here once: the forked ranks inherit it)
+        importlib.import_module("sklearn.datasets")  # here, once: the forked ranks inherit it
     except ImportError:
         print("nblaunch demo: the demo needs scikit-learn, which is not installed. "
               "Install it with: pip install 'nblaunch[examples]'", file=sys.stderr)

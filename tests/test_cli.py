@@ -60,7 +60,8 @@ def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
     rest, _ = process.communicate(timeout=60)
     assert process.returncode == 130, rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
-    stopped = re.findall(r"^\[rank (\d)\] stopped in \S+ at \S+:\d+.*\(whole stack: (\S+)\)$", rest, re.M)
+    stopped = re.findall(r"^\[rank (\d)\] stopped at demo\.py, line \d+, in train_digits: .+ \(whole stack: (\S+)\)$",
+                         rest, re.M)
     assert sorted(rank for rank, _ in stopped) == ["0", "1"], rest
     for _, log in stopped:  # the stacks went to the log
         with open(log, encoding="utf-8") as f:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from html import escape
 
+from nblaunch import frames
 from nblaunch.display.logring import LogRing
 from nblaunch.display.state import Bar, LaunchView, RankView
 from nblaunch.display.svgchart import format_number, line_chart
@@ -283,10 +284,12 @@ def summary_html(view: LaunchView, now: float) -> str:
         f'<div style="font-size: 14px"><b>{title}</b> &nbsp;{badge(state)} &nbsp;'
         f"in {view.elapsed(now):.1f} s</div>",
     ]
-    if finished is not None and finished.summary:
+    error = finished.error if finished is not None else None
+    if finished is not None and finished.summary and finished.root_cause_rank is None:
         parts.append(f'<div class="nbl-summary-text">{_pre(finished.summary)}</div>')
-    if finished is not None and finished.error is not None:
-        error = finished.error
+    if error is not None:
+        # The error's headline and what it adds (other ranks, a hint); its traceback is the
+        # exception's, shown once, below the cell's outputs.
         where = f" (root cause: rank {finished.root_cause_rank})" if finished.root_cause_rank is not None else ""
         parts.append(
             f'<div class="nbl-error"><b style="color: {STATE_COLOURS[RankState.FAILED]}">'
@@ -300,7 +303,10 @@ def summary_html(view: LaunchView, now: float) -> str:
             parts.append(_fold(f"rank {rank.rank}: {rank.detail.strip().splitlines()[-1]}", _pre(rank.detail), True))
     stacks = [r for r in view.ranks.values() if r.stacks]
     for rank in stacks:
-        parts.append(_fold(f"rank {rank.rank}: where it was stopped", _pre(rank.stacks or ""), len(stacks) <= 2))
+        # Folded, the place in the label: the whole stack is one click away (and in the log).
+        where = frames.where(rank.stacks or "")
+        label = f"rank {rank.rank}: where it was stopped" + (f" · {escape(where)}" if where else "")
+        parts.append(_fold(label, _pre(rank.stacks or ""), False, escaped=True))
     metrics = metrics_html(view)
     if metrics:
         parts.append(f'<div style="margin-top: 6px">{metrics}</div>')

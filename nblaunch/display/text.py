@@ -7,12 +7,11 @@ launching thread, so in a notebook the lines land in the cell that launched.
 from __future__ import annotations
 
 import os
-import re
 import sys
-import sysconfig
 import time
 from typing import TextIO
 
+from nblaunch import frames
 from nblaunch.events import (
     Event,
     LaunchFinished,
@@ -85,9 +84,9 @@ class TextDisplay:
                 self._last_metrics.pop(event.rank)
         elif isinstance(event, Stacks):
             # One line: where the rank was; the whole stack of every thread is in its log.
-            where = where_stopped(event.text)
+            where = frames.where(event.text) or "(no stack)"
             log = f" (whole stack: {os.path.join(self._log_dir, f'rank{event.rank}.log')})" if self._log_dir else ""
-            self._print(f"[rank {event.rank}] stopped {where}{log}", "stderr")
+            self._print(f"[rank {event.rank}] stopped at {where}{log}", "stderr")
         elif isinstance(event, RankFinished):
             if event.state == RankState.FAILED:
                 self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")
@@ -107,35 +106,3 @@ class TextDisplay:
 
     def close(self) -> None:
         pass
-
-
-_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
-# Frames of Python itself, of installed packages and of nblaunch (but its demo, which is the
-# user's code when it runs): a user wants to know where *their* code was.
-_NOT_USER = tuple(os.path.realpath(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib"))
-_OURS = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-_OUR_EXAMPLES = (os.path.join(_OURS, "demo.py"),)
-
-
-def _is_users(path: str) -> bool:
-    path = os.path.realpath(path)
-    if path.startswith(_OURS + os.sep):
-        return path in _OUR_EXAMPLES
-    return not path.startswith(_NOT_USER)
-
-
-def where_stopped(stack_text: str) -> str:
-    """``in function at file.py:line, `code` `` for the innermost frame of the first thread's stack
-    (``format_stacks``' text) that is the user's own, else its innermost frame."""
-    first_thread = re.split(r"\n(?=Thread )", stack_text.strip())[0].splitlines()
-    frames = []
-    for i, line in enumerate(first_thread):
-        match = _FRAME.match(line)
-        if match:
-            code = first_thread[i + 1].strip() if i + 1 < len(first_thread) and not _FRAME.match(first_thread[i + 1]) else ""
-            frames.append((match["path"], match["line"], match["function"], code))
-    if not frames:
-        return "(no stack)"
-    own = [f for f in frames if _is_users(f[0])]
-    path, line, function, code = (own or frames)[-1]
-    return f"in {function} at {os.path.basename(path)}:{line}" + (f", `{code}`" if code else "")

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Callable
 
 from nblaunch.events import Display
-from nblaunch.launch import pickling
+from nblaunch.launch import ipython_errors, pickling
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.plan import LaunchPlan, make_plan
@@ -63,7 +63,8 @@ def notebook_launcher(
         LaunchConfigError: bad input (nothing was started).
         RankFailedError: a rank failed; the root cause first, its exception chained.
         LaunchTimeoutError: ``timeout`` ran out.
-        KeyboardInterrupt: interrupted; every rank's stack was shown and every rank stopped.
+        LaunchInterrupted: interrupted (a KeyboardInterrupt); every rank was stopped, and where
+            each one was is shown.
 
     Example::
 
@@ -73,6 +74,7 @@ def notebook_launcher(
         >>> notebook_launcher(train, args=(10,), num_processes=2, display="none")
         [0, 10]
     """
+    __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
     if not isinstance(block, bool):
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
     plan = make_plan(
@@ -81,6 +83,7 @@ def notebook_launcher(
         max_restarts=max_restarts, monitor_interval=monitor_interval, rdzv_backend=rdzv_backend,
     )
     pickling.check_picklable(function, args)
+    ipython_errors.install()
     # One rank runs here, except on XLA: the runtime would start in this process and break
     # every later xmp.spawn (torch_xla's own nprocs=1 has that trap).
     # (A timeout needs a rank that can be stopped, a restart one that can be started again: then
@@ -90,7 +93,12 @@ def notebook_launcher(
         return [_run_in_process(plan, function, args)]
     launch = Launch(plan, function, args, timeout, display)
     if block:
-        return launch._run()
+        try:
+            return launch._run()
+        except BaseException as error:
+            # What went wrong is in the error (the rank's own traceback is chained to it); the
+            # launcher's frames it passed through would only bury that.
+            raise error.with_traceback(None)
     set_stop_handler = getattr(launch._display, "set_stop_handler", None)
     if set_stop_handler is not None:  # the widget's Stop button: it can only work when not blocking
         set_stop_handler(launch.cancel)

@@ -5,12 +5,15 @@
   original exception (with its remote traceback) is chained as ``__cause__``.
 - :class:`LaunchTimeoutError`: ``timeout=`` ran out; carries every rank's stack.
 - :class:`LaunchCancelledError`: a non-blocking launch was cancelled.
+- :class:`LaunchInterrupted`: interrupted (a ``KeyboardInterrupt``); every rank was stopped.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
+
+from nblaunch import frames
 
 
 class LaunchConfigError(ValueError):
@@ -25,7 +28,7 @@ class RemoteTraceback(Exception):
         self.text = text
 
     def __str__(self) -> str:
-        return "\n" + self.text
+        return "\n" + frames.name_cells(self.text)
 
 
 class RemoteError(Exception):
@@ -76,10 +79,10 @@ class RankFailedError(RuntimeError):
         return [f.rank for f in self.failures]
 
     def _message(self) -> str:
+        # The headline; the traceback is not repeated here: it is chained below (``__cause__``).
         first = self.failures[0]
-        lines = [f"rank {first.rank} failed: {first.reason}"]
-        if first.traceback:
-            lines += ["", first.traceback.rstrip()]
+        place = frames.where(first.traceback, with_code=False) if first.traceback else ""
+        lines = [f"rank {first.rank} failed: {first.reason}" + (f" ({place})" if place else "")]
         if first.hint:
             lines += ["", first.hint]
         if first.log_tail:
@@ -88,6 +91,11 @@ class RankFailedError(RuntimeError):
             note = " (likely a consequence of rank %d)" % first.rank if other.collateral else ""
             lines.append(f"rank {other.rank} also failed{note}: {other.reason}")
         return "\n".join(lines)
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """The launch was interrupted (the kernel's ■, Ctrl-C); every rank was stopped first. A
+    ``KeyboardInterrupt``, so code that catches that goes on working."""
 
 
 class LaunchCancelledError(concurrent.futures.CancelledError):
@@ -100,7 +108,8 @@ class LaunchTimeoutError(TimeoutError):
     def __init__(self, timeout: float, stacks: dict[int, str]):
         self.timeout = timeout
         self.stacks = stacks
-        where = "\n".join(f"rank {r}:\n{text.rstrip()}" for r, text in sorted(stacks.items()))
+        # One line per rank; the whole stacks are in ``stacks``, the display and the logs.
+        where = "\n".join(f"  rank {r}: {frames.where(text) or '(no stack)'}" for r, text in sorted(stacks.items()))
         super().__init__(
             f"the launch did not finish within timeout={timeout:g} s; every rank was stopped."
             + (f"\nWhere the ranks were:\n{where}" if where else "")

@@ -91,7 +91,13 @@ class Launch:
     def result(self, timeout: float | None = None) -> list[Any]:
         """Wait for the launch (at most ``timeout`` seconds) and return each rank's result, or
         raise what the launch raised (RankFailedError, LaunchTimeoutError, ...)."""
-        return self._future.result(timeout)
+        __tracebackhide__ = True
+        try:
+            return self._future.result(timeout)
+        except BaseException as error:
+            if self._future.done() and error is self._future.exception():
+                raise error.with_traceback(None)  # the launch thread's frames say nothing to the user
+            raise
 
     def cancel(self) -> bool:
         """Show every rank's stack, stop every rank; ``result()`` then raises

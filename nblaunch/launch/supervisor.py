@@ -31,6 +31,7 @@ from nblaunch.events import (
 )
 from nblaunch.launch.errors import (
     LaunchCancelledError,
+    LaunchInterrupted,
     LaunchTimeoutError,
     RankFailedError,
     RankFailure,
@@ -126,7 +127,7 @@ class Supervisor:
         except KeyboardInterrupt:
             if not self._stopping:
                 self._stop(_STACKS_ON_STOP_S, fallback=True)
-            raise
+            raise LaunchInterrupted("every rank was stopped; where each one was is shown above") from None
         finally:
             self._teardown()
         failures = self._failures()

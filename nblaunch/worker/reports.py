@@ -18,7 +18,7 @@ from typing import Any
 
 import cloudpickle
 
-from nblaunch import wire
+from nblaunch import frames, wire
 from nblaunch.worker import channel
 
 # Text in messages of errors that a rank gets because a peer died, not because of its own bug.
@@ -42,12 +42,16 @@ def describe(error: BaseException) -> str:
 
 
 def format_traceback(error: BaseException) -> str:
-    """The traceback as Python prints it; the frames alone if printing the message fails."""
+    """The traceback as Python prints it, from the user's function on (nblaunch's frames that
+    called it are left out); the frames alone if printing the message fails."""
+    start = error.__traceback__
+    while start is not None and start.tb_next is not None and frames.is_launcher_code(start.tb_frame.f_code.co_filename):
+        start = start.tb_next
     try:
-        return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return "".join(traceback.format_exception(type(error), error, start))
     except BaseException:
-        frames = "".join(traceback.format_tb(error.__traceback__))
-        return f"Traceback (most recent call last):\n{frames}{describe(error)}\n"
+        listed = "".join(traceback.format_tb(start))
+        return f"Traceback (most recent call last):\n{listed}{describe(error)}\n"
 
 
 def caused_by_peer(error: BaseException) -> bool:

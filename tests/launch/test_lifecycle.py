@@ -51,8 +51,8 @@ def test_an_interrupt_of_the_whole_process_group_shows_stacks_then_stops_every_r
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     # One line per rank: where its own code was (the whole stack is in the rank's log).
-    assert "[rank 0] stopped in " in out and "[rank 1] stopped in " in out
-    assert "`dist.recv(torch.zeros(1), src=1)`" in out and "`time.sleep(600)`" in out
+    assert "[rank 0] stopped at " in out and "[rank 1] stopped at " in out
+    assert ": dist.recv(torch.zeros(1), src=1) (whole stack: " in out and ": time.sleep(600) (whole stack: " in out
     assert "interrupted after" in out
     assert "launcher raised KeyboardInterrupt" in out
     assert "next launch: [0, 1]" in out  # the same process launches again

@@ -25,7 +25,7 @@ def plan(**overrides):
 def test_fork_is_chosen_on_a_cpu_machine_and_the_reason_is_given():
     chosen = plan()
     assert (chosen.start_method, chosen.device_kind) == ("fork", "cpu")
-    assert "share this process's memory" in chosen.start_reason
+    assert "each process begins as a copy of this one" in chosen.start_reason
 
 
 def test_cuda_already_initialised_here_means_spawn_and_fork_is_refused(monkeypatch):

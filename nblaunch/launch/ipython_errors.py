@@ -1,0 +1,50 @@
+"""In IPython (Jupyter, Colab, VS Code), a launch's errors are shown without nblaunch's frames.
+
+IPython's ``__tracebackhide__`` never hides the frame that raised, which for a launch's error
+is always nblaunch's own. So the launcher registers a handler for its error types
+(``set_custom_exc``) that shows them as IPython would, with every frame of nblaunch's package
+left out: the user's cell line, then the rank's own traceback chained to the error, and the
+headline. A handler someone else registered is left alone.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from nblaunch import frames
+from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError, RankFailedError
+
+__all__ = ["install", "without_launcher_frames"]
+
+LAUNCH_ERRORS = (RankFailedError, LaunchTimeoutError, LaunchCancelledError, LaunchConfigError, LaunchInterrupted)
+
+
+def install() -> None:
+    """Register the handler in the running IPython shell, if there is one and it has none."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or not hasattr(shell, "set_custom_exc"):
+        return
+    if getattr(shell, "custom_exceptions", ()) not in ((), LAUNCH_ERRORS):
+        return  # the user's (or another library's) handler
+    shell.set_custom_exc(LAUNCH_ERRORS, _show)
+
+
+def _show(shell: Any, etype: type, value: BaseException, tb: types.TracebackType | None,
+          tb_offset: int | None = None) -> None:
+    shell.showtraceback((etype, value, without_launcher_frames(tb)), tb_offset=tb_offset)
+
+
+def without_launcher_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The same traceback with the frames of nblaunch's package taken out."""
+    kept = []
+    while tb is not None:
+        if not frames.is_launcher_code(tb.tb_frame.f_code.co_filename):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt

@@ -1,0 +1,81 @@
+"""What a user reads in a cell whose launch failed, in a saved notebook run by a real kernel
+(nbclient): the rank's traceback once, a headline naming the rank, the exception and the cell
+line, and nothing of nblaunch's own code."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import nblaunch
+
+PACKAGE = os.path.dirname(os.path.realpath(nblaunch.__file__))
+
+DEFINE = '''\
+import time
+import torch.distributed as dist
+from nblaunch import notebook_launcher
+
+def check(x):
+    if x == 3:
+        raise ValueError(f"bad value {x}")
+
+def train():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        check(3)
+    dist.barrier()
+'''
+
+
+def run_cells(tmp_path, *sources: str) -> list:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    return nb.cells
+
+
+def everything_shown(cell) -> str:
+    """All the text of a cell's outputs, as a saved notebook holds it."""
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type == "error":
+            parts += [output.ename, output.evalue, *output.traceback]
+        else:
+            parts += [str(v) for v in output.get("data", {}).values()]
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory):
+    return run_cells(tmp_path_factory.mktemp("failed"), DEFINE, "notebook_launcher(train, num_processes=2)")[1]
+
+
+@pytest.fixture(scope="module")
+def failed_later(tmp_path_factory):
+    cells = run_cells(tmp_path_factory.mktemp("failed_later"), DEFINE,
+                      "launch = notebook_launcher(train, num_processes=2, block=False)",
+                      "launch.result()")
+    return cells[2]
+
+
+@pytest.mark.parametrize("which", ["failed", "failed_later"])
+def test_the_users_traceback_appears_once_and_no_nblaunch_code(request, which):
+    shown = everything_shown(request.getfixturevalue(which))
+    # The user's frames, once each: the raise in check, the call in train.
+    assert shown.count('raise ValueError(f"bad value {x}")') == 1, shown
+    assert shown.count("check(3)") == 1, shown
+    assert PACKAGE + os.sep not in shown, shown  # no file of nblaunch's own package
+    assert "bootstrap.py" not in shown and "supervisor.py" not in shown and "handle.py" not in shown
+
+
+def test_the_headline_names_the_rank_the_exception_and_the_cell_line(failed):
+    (error,) = [o for o in failed.outputs if o.output_type == "error"]
+    assert error.ename == "RankFailedError"
+    assert error.evalue.splitlines()[0] == "rank 1 failed: ValueError: bad value 3 (Cell In[1], line 7, in check)"
