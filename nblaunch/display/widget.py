@@ -4,8 +4,8 @@ Creating a :class:`WidgetDisplay` shows it in the current cell's output; the lau
 feeds it events. Layout, top to bottom: a header (what runs, where, for how long, how it is
 going), a row per rank (state, progress bars, last line, elapsed), metric charts with the
 latest values, and the log tails in tabs (all ranks merged, then one per rank). When the launch
-ends, a static HTML summary is left below the widget, so a saved notebook shows what happened
-even where widgets do not render (GitHub, nbviewer, a kernel-less reopen).
+ends, a static HTML summary takes the widget's place in the cell: one view, and a saved notebook
+shows what happened where widgets do not render (GitHub, nbviewer, a kernel-less reopen).
 
 Why it stays cheap and correct:
 
@@ -16,10 +16,9 @@ Why it stays cheap and correct:
   tail (never a growing output), and comm messages go out on the kernel's IOPub thread, so they
   reach the frontend while the kernel's main thread is busy in a blocking launch, and after the
   cell has finished in a non-blocking one.
-* Nothing is printed or ``display``-ed from a background thread: the widget and an empty
-  placeholder (with a display id) are shown from the constructor, on the cell's thread; the
-  end-of-launch summary replaces the placeholder by its display id, which lands in the right
-  cell whichever thread sends it.
+* Nothing is printed or ``display``-ed from a background thread: the widget is shown from the
+  constructor, on the cell's thread, with a display id; the end-of-launch summary replaces it
+  by that id, which lands in the right cell whichever thread sends it.
 
 Example (what ``notebook_launcher(..., display="widget")`` does)::
 
@@ -130,11 +129,12 @@ class WidgetDisplay:
             self._build_log_tabs(list(range(num_processes)))
         self._redraw(set(), time.monotonic())
         if show:
-            from IPython.display import HTML, display
+            from IPython.display import display
 
-            display(self.widget)
-            # Shown now, on the cell's thread, so the final summary can replace it from any thread.
-            self._summary_handle = display(HTML(""), display_id=True)
+            # With a display id, on the cell's thread: at the end the summary replaces the
+            # widget in place (from any thread), so the cell keeps one view and a saved notebook
+            # holds no widget it cannot draw once the kernel is gone.
+            self._summary_handle = display(self.widget, display_id=True)
 
     def set_stop_handler(self, stop: Any) -> None:
         """Show the Stop button; clicking it calls ``stop()`` (a non-blocking launch's cancel)."""
@@ -243,3 +243,7 @@ class WidgetDisplay:
             from IPython.display import HTML
 
             self._summary_handle.update(HTML(self.summary_html))
+            # The view is gone from the cell: its models need not outlive it in the kernel.
+            for widget in [self.widget, *self.widget.children, self.header, self.stop_button,
+                           *self.log_panes.values()]:
+                widget.close()

@@ -114,18 +114,16 @@ def browser():
 
 
 # Conditions evaluated in the page; the dashboard's elements carry nbl-* classes and data-*.
-RANKS_DONE = """() => {
-    const rows = document.querySelectorAll('.nblaunch-dashboard tr.nbl-rank');
-    return rows.length === 2 && [...rows].every(r => r.dataset.state === 'done');
-}"""
 BAR_PART_WAY = """() => [...document.querySelectorAll('.nblaunch-dashboard .nbl-bar')].some(b => {
     const n = Number(b.dataset.n), total = Number(b.dataset.total);
     const width = parseFloat(b.querySelector('.nbl-fill').style.width);
     return total > 0 && n > 0 && n < total && width > 0 && width < 100;
 })"""
 CHART_POINTS = """() => [...document.querySelectorAll(
-    '.nblaunch-dashboard svg.nbl-chart[data-metric="loss"] polyline.nbl-line')].map(p => [
+    '.nbl-summary svg.nbl-chart[data-metric="loss"] polyline.nbl-line')].map(p => [
     p.dataset.series, p.getAttribute('points').trim().split(/\\s+/).length])"""
+# One view once the launch is over: the summary took the dashboard's place.
+DASHBOARD_GONE = "() => document.querySelector('.nblaunch-dashboard') === null"
 NEWEST_LOG_LINE_VISIBLE = """() => {
     const box = document.querySelector('.nblaunch-dashboard .nbl-log[data-rank="all"] > div');
     const pre = box.querySelector('pre');
@@ -153,18 +151,17 @@ def test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab(lab, browser
 
     page.wait_for_function(BAR_PART_WAY, timeout=120_000)
     page.screenshot(path=str(ARTIFACTS / "widget_demo_running.png"), full_page=True)
-    page.wait_for_function(RANKS_DONE, timeout=120_000)
-    page.wait_for_function(SUMMARY_DONE, timeout=60_000)
+    page.wait_for_function(NEWEST_LOG_LINE_VISIBLE, timeout=120_000)  # the log box follows its newest lines
+    page.wait_for_function(SUMMARY_DONE, timeout=120_000)
+    page.wait_for_function(DASHBOARD_GONE, timeout=10_000)
 
     points = dict(page.evaluate(CHART_POINTS))
     assert points == {"rank 0": 40, "rank 1": 40}
-    assert page.evaluate(NEWEST_LOG_LINE_VISIBLE), "the log box should show its newest lines"
-    header = page.locator(".nblaunch-dashboard .nbl-header").inner_text()
-    assert "train" in header and "done" in header
-    assert "rank 1 step 39" in page.locator(".nbl-summary").text_content()  # in a folded log tail
-    page.locator(".nblaunch-dashboard").scroll_into_view_if_needed()
-    page.screenshot(path=str(ARTIFACTS / "widget_demo.png"), full_page=True)
-    page.locator(".nbl-summary").scroll_into_view_if_needed()
+    summary = page.locator(".nbl-summary")
+    assert summary.count() == 1
+    assert "train" in summary.inner_text() and "done" in summary.inner_text()
+    assert "rank 1 step 39" in summary.text_content()  # in a folded log tail
+    summary.scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "widget_demo_summary.png"), full_page=True)
     assert not errors, errors
     page.close()
@@ -181,10 +178,10 @@ def test_the_dashboard_renders_and_follows_the_launch_in_notebook_7(lab, browser
     page.wait_for_function(KERNEL_IDLE, timeout=120_000)
     before = len(errors)  # Notebook 7's own page raises one settings error on load; not ours
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-    page.wait_for_function(RANKS_DONE, timeout=120_000)
-    page.wait_for_function(SUMMARY_DONE, timeout=60_000)
+    page.wait_for_function(SUMMARY_DONE, timeout=120_000)
+    page.wait_for_function(DASHBOARD_GONE, timeout=10_000)
     assert dict(page.evaluate(CHART_POINTS)) == {"rank 0": 40, "rank 1": 40}
-    assert "done" in page.locator(".nblaunch-dashboard .nbl-header").inner_text()
+    assert "done" in page.locator(".nbl-summary").inner_text()
     page.screenshot(path=str(ARTIFACTS / "widget_demo_notebook7.png"), full_page=True)
     assert errors[before:] == [], errors[before:]
     page.close()
