@@ -134,7 +134,7 @@ class WidgetDisplay:
             # With a display id, on the cell's thread: at the end the summary replaces the
             # widget in place (from any thread), so the cell keeps one view and a saved notebook
             # holds no widget it cannot draw once the kernel is gone.
-            self._summary_handle = display(self.widget, display_id=True)
+            self._summary_handle = display(_view_bundle(self.widget), raw=True, display_id=True)
 
     def set_stop_handler(self, stop: Any) -> None:
         """Show the Stop button; clicking it calls ``stop()`` (a non-blocking launch's cancel)."""
@@ -247,3 +247,14 @@ class WidgetDisplay:
             for widget in [self.widget, *self.widget.children, self.header, self.stop_button,
                            *self.log_panes.values()]:
                 widget.close()
+
+
+def _view_bundle(widget: Any) -> dict:
+    """The widget's view as a display bundle. ipywidgets 7 (Colab) shows a widget through
+    ``_ipython_display_``, which drops a display id: the bundle is made here for it."""
+    bundle = widget._repr_mimebundle_() if hasattr(widget, "_repr_mimebundle_") else None
+    if not bundle:
+        bundle = {"text/plain": repr(widget),
+                  "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                               "model_id": widget.model_id}}
+    return bundle
