@@ -18,6 +18,7 @@ the index level (skipped batches are never loaded) for map-style datasets.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass
@@ -173,18 +174,29 @@ class PreparedDataLoader(DataLoader):
             torch.set_rng_state(rng)
         return iterator
 
-    def _batches(self, iterator: Iterator[Any], skip: int, index_skip: bool) -> Iterator[Any]:
-        gs = self._gradient_state
-        feed = self._feed
-        progress = self._progress = Progress()  # a fresh one: an abandoned epoch keeps its own
+    @contextlib.contextmanager
+    def _epoch(self, skip: int) -> Iterator[Progress]:
+        """An epoch's bookkeeping around the handing out of its batches: a fresh progress (an
+        abandoned epoch keeps its own) counted from ``skip``, and the gradient state told which
+        loader runs; the progress ends only if the batches ran out."""
+        progress = self._progress = Progress()
         progress.count = skip
         progress.in_epoch = True
+        self._gradient_state._enter_loader(self)
+        try:
+            yield progress
+            progress.end = True
+        finally:
+            progress.in_epoch = not progress.end
+            self._gradient_state._leave_loader(self)
+
+    def _batches(self, iterator: Iterator[Any], skip: int, index_skip: bool) -> Iterator[Any]:
+        feed = self._feed
         if skip and not index_skip:
             for _ in range(skip):  # iterable datasets: the skipped batches must be read
                 if next(iterator, None) is None:
                     break
-        gs._enter_loader(self)
-        try:
+        with self._epoch(skip) as progress:
             try:
                 length = len(self)
             except TypeError:
@@ -215,10 +227,6 @@ class PreparedDataLoader(DataLoader):
                         current = feed(current)
                     yield current
                     current = following
-            progress.end = True
-        finally:
-            progress.in_epoch = not progress.end
-            gs._leave_loader(self)
 
 
 _END = object()

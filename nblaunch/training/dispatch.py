@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from nblaunch.training.data import PreparedDataLoader, Progress, loader_kwargs, map_style_batching
+from nblaunch.training.data import PreparedDataLoader, loader_kwargs, map_style_batching
 from nblaunch.training.ops import concatenate, recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher", "dispatch_data_loader", "slice_tensors"]
@@ -93,13 +93,8 @@ class DataLoaderDispatcher(PreparedDataLoader):
         if iterator is not None and skip:  # resuming: rank 0 passes over the rounds already used
             for _ in itertools.islice(iterator, skip * (1 if self._split else P)):
                 pass
-        gs = self._gradient_state
-        progress = self._progress = Progress()
-        progress.count = skip
-        progress.in_epoch = True
         self._last_round_real = -1
-        gs._enter_loader(self)
-        try:
+        with self._epoch(skip) as progress:
             current = self._next_round(iterator)
             first = None  # the epoch's first samples: they even out a ragged last round
             while current is not None:
@@ -120,10 +115,6 @@ class DataLoaderDispatcher(PreparedDataLoader):
                     progress.end = True
                 yield part
                 current = following
-            progress.end = True
-        finally:
-            progress.in_epoch = not progress.end
-            gs._leave_loader(self)
 
     def _next_round(self, iterator: Iterator[Any] | None) -> Any:
         """The next round on every rank (None: the epoch is over). Rank 0 reads it from
