@@ -70,7 +70,11 @@ class Output:
 
 @dataclass(frozen=True)
 class Progress:
-    """Progress of one rank's loop (from tqdm in the worker or ``nblaunch.progress``)."""
+    """Progress of one rank's loop (from tqdm in the worker or ``nblaunch.progress``).
+
+    ``auto`` marks a bar nblaunch draws by itself (a prepared DataLoader's epoch); displays
+    hide those on a rank whose code draws bars of its own.
+    """
 
     rank: int
     bar_id: int
@@ -78,6 +82,7 @@ class Progress:
     total: float | None
     desc: str = ""
     closed: bool = False
+    auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,16 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Stacks:
-    """Where every thread of a rank was when the launcher asked (interrupt, timeout, failure)."""
+    """Where every thread of a rank was when the launcher asked.
+
+    ``why`` is "stop" (an interrupt, a timeout or a failure is stopping the launch), "asked"
+    (``Launch.stacks()`` or the dashboard's button: the launch goes on) or "quiet" (every live
+    rank had been silent for a while: a hang shows where it is without stopping anything).
+    """
 
     rank: int
     text: str
+    why: str = "stop"
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
     assert sorted(rank for rank, _ in stopped) == ["0", "1"], rest
     for _, log in stopped:  # the stacks went to the log
         with open(log, encoding="utf-8") as f:
-            assert "--- stack when the launch stopped ---\nThread MainThread" in f.read()
+            assert re.search(r"--- stack when the launch stopped \(\d\d:\d\d:\d\d\) ---\nThread MainThread", f.read())
     assert rest.rstrip().splitlines()[-1].startswith("nblaunch: interrupted after")
     assert len(rest.splitlines()) <= 10, rest
 

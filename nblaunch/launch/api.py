@@ -101,7 +101,7 @@ def notebook_launcher(
             raise error.with_traceback(None)
     set_stop_handler = getattr(launch._display, "set_stop_handler", None)
     if set_stop_handler is not None:  # the widget's Stop button: it can only work when not blocking
-        set_stop_handler(launch.cancel)
+        set_stop_handler(launch.cancel, launch._ask_for_stacks)
     launch._start_in_background()
     return launch
 

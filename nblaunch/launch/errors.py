@@ -6,11 +6,16 @@
 - :class:`LaunchTimeoutError`: ``timeout=`` ran out; carries every rank's stack.
 - :class:`LaunchCancelledError`: a non-blocking launch was cancelled.
 - :class:`LaunchInterrupted`: interrupted (a ``KeyboardInterrupt``); every rank was stopped.
+
+:func:`failure_from_report` and :func:`failure_from_exit` say how one rank failed, from its
+own report or from how its process ended.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import pickle
+import signal
 from dataclasses import dataclass, field
 
 from nblaunch import frames
@@ -114,3 +119,39 @@ class LaunchTimeoutError(TimeoutError):
             f"the launch did not finish within timeout={timeout:g} s; every rank was stopped."
             + (f"\nWhere the ranks were:\n{where}" if where else "")
         )
+
+
+def failure_from_report(rank: int, report: dict) -> RankFailure:
+    exception: BaseException
+    try:
+        exception = pickle.loads(report["exception"]) if report["exception"] else None
+    except Exception:
+        exception = None
+    if exception is None:
+        type_name = report["type"].rsplit(".", 1)[-1]
+        exception = RemoteError(type_name, report["reason"].split(": ", 1)[-1])
+    if report["traceback"]:
+        exception.__cause__ = RemoteTraceback(report["traceback"])
+    return RankFailure(
+        rank=rank,
+        reason=report["reason"],
+        exception=exception,
+        traceback=report["traceback"],
+        collateral=report["collateral"],
+        hint=report.get("hint", ""),
+    )
+
+
+def failure_from_exit(rank: int, code: int, tail: list[str]) -> RankFailure:
+    if code < 0:
+        name = signal.Signals(-code).name
+        reason = f"killed by {name}"
+        if -code == signal.SIGKILL:
+            reason += " (most likely the out-of-memory killer: the machine ran out of memory)"
+        return RankFailure(rank, reason, exitcode=code, signal_name=name, log_tail=tail)
+    if code == 0:
+        return RankFailure(rank, "exited with code 0 without returning (os._exit in the function?)", exitcode=code, log_tail=tail)
+    reason = f"exited with code {code}"
+    if not tail:
+        reason += " without a report and without writing anything"
+    return RankFailure(rank, reason, exitcode=code, log_tail=tail)

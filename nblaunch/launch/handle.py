@@ -24,7 +24,7 @@ from typing import Any, Callable
 from nblaunch import proctree
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
-                             RankState)
+                             RankState, Stacks)
 from nblaunch.launch import fdtable, ports, registry
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
@@ -58,6 +58,8 @@ class Launch:
         self._supervisor: Supervisor | None = None
         self._cancel_requested = False
         self._rank_states: dict[int, RankState] = {}
+        self._stacks_answered = threading.Condition()
+        self._asked_stacks: dict[int, str] = {}
         self._status = "starting"
         self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
@@ -110,6 +112,39 @@ class Launch:
                 self._supervisor.cancel()
         return True
 
+    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
+        """Where every running rank is now, ``{rank: stack}``, without stopping the launch.
+
+        Each stack is every thread's, from the user's code on; they also appear in the dashboard
+        and in each rank's log. A rank that has not answered within ``timeout`` seconds (its
+        Python threads blocked, say by C code holding the GIL) is left out. ``{}`` once the
+        launch has ended.
+
+        Example::
+
+            launch = notebook_launcher(train, num_processes=2, block=False)
+            print(launch.stacks()[1])  # where rank 1 is
+        """
+        with self._stacks_answered:
+            self._asked_stacks = {}
+            if not self._ask_for_stacks():
+                return {}
+
+            def answered() -> bool:
+                running = [r for r, state in self._rank_states.items() if state is RankState.RUNNING]
+                return self._future.done() or all(r in self._asked_stacks for r in running)
+
+            self._stacks_answered.wait_for(answered, timeout)
+            return dict(self._asked_stacks)
+
+    def _ask_for_stacks(self) -> bool:
+        """Ask, do not wait (the dashboard's Stacks button); False when nothing runs."""
+        with self._lock:
+            if self._future.done() or self._supervisor is None:
+                return False
+            self._supervisor.request_stacks()
+            return True
+
     def logs(self, rank: int) -> str:
         """Rank ``rank``'s whole log so far (from disk)."""
         self._logs.flush()
@@ -151,6 +186,11 @@ class Launch:
         elif isinstance(event, RankFinished):
             self._rank_states[event.rank] = event.state
         self._sink.on_event(event)
+        if isinstance(event, (Stacks, RankFinished)):
+            with self._stacks_answered:
+                if isinstance(event, Stacks) and event.why == "asked":
+                    self._asked_stacks[event.rank] = event.text
+                self._stacks_answered.notify_all()
 
     def _run(self) -> list[Any]:
         plan = self.plan

@@ -61,7 +61,8 @@ class LogFiles:
             if not event.transient:  # progress-bar redraws would bury the log
                 self._files[event.rank].write("\n".join(event.lines) + "\n")
         elif isinstance(event, Stacks):
-            self._files[event.rank].write(f"--- stack when the launch stopped ---\n{event.text}\n")
+            when = {"stop": "when the launch stopped", "asked": "when asked", "quiet": "after a quiet while"}[event.why]
+            self._files[event.rank].write(f"--- stack {when} ({time.strftime('%H:%M:%S')}) ---\n{event.text}\n")
         elif isinstance(event, RankFinished) and event.state == RankState.FAILED:
             self._files[event.rank].write(f"--- rank {event.rank} failed ---\n{event.detail}\n")
         elif isinstance(event, LaunchRestarting):

@@ -35,11 +35,12 @@ from nblaunch.launch.errors import (
     LaunchTimeoutError,
     RankFailedError,
     RankFailure,
-    RemoteError,
-    RemoteTraceback,
+    failure_from_exit,
+    failure_from_report,
 )
 from nblaunch.launch.diagnosis import explain_peer_left
 from nblaunch.launch.lines import LineSplitter
+from nblaunch.launch.quiet import QUIET_STACKS_S, QuietWatch
 from nblaunch.launch.workers import RankPipes, WorkerProcess
 
 _READ_SIZE = 1 << 20
@@ -89,6 +90,9 @@ class Supervisor:
         self._stopping = False
         self._output_trickle = False
         self._cancel_requested = False
+        self._stacks_requested = False
+        self._stacks_why = "stop"  # what the next STACKS frames answer
+        self._quiet = QuietWatch(QUIET_STACKS_S, time.monotonic())
         # cancel() may come from any thread: it writes here to wake the select loop.
         self._wake_lock = threading.Lock()
         self._wake_read, self._wake_write = os.pipe()
@@ -108,8 +112,9 @@ class Supervisor:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         try:
             while self._live():
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._pump(wait)
+                now = time.monotonic()
+                waits = [w for w in (None if deadline is None else deadline - now, self._quiet.wait(now)) if w is not None]
+                self._pump(max(0.0, min(waits)) if waits else None)
                 if self._output_trickle and not self._stopping:
                     # Chatty ranks: a wake-up per few lines costs the launcher more CPU than the
                     # ranks spend printing (on 2 cores it takes their CPU). Letting the pipes fill
@@ -118,6 +123,8 @@ class Supervisor:
                     time.sleep(_COALESCE_OUTPUT_S)
                 if self._failures() and not self._stopping:
                     self._stop(_STACKS_ON_FAILURE_S, fallback=False)
+                elif not self._stopping and (self._stacks_requested or self._quiet.due(time.monotonic())):
+                    self._ask_for_stacks("asked" if self._stacks_requested else "quiet")
                 elif deadline is not None and time.monotonic() >= deadline and not self._stopping:
                     self._stop(_STACKS_ON_STOP_S, fallback=True)
                     raise LaunchTimeoutError(self._timeout, dict(self._stacks))
@@ -138,9 +145,25 @@ class Supervisor:
     def cancel(self) -> None:
         """Stop the launch as an interrupt would (stacks, then stop). Safe from any thread."""
         self._cancel_requested = True
+        self._wake()
+
+    def request_stacks(self) -> None:
+        """Ask every live rank where it is, without stopping anything; the answers come as
+        ``Stacks(why="asked")`` events. Safe from any thread."""
+        self._stacks_requested = True
+        self._wake()
+
+    def _wake(self) -> None:
         with self._wake_lock:  # never write to a closed (and maybe reused) descriptor
             if self._wake_write != -1:
                 os.write(self._wake_write, b"x")
+
+    def _ask_for_stacks(self, why: str) -> None:
+        self._stacks_requested = False
+        self._stacks_why = why
+        for rank in self._live():
+            if rank.failure is None:
+                rank.pipes.request_stacks()
 
     @property
     def ended_cleanly(self) -> bool:
@@ -199,6 +222,7 @@ class Supervisor:
         else:
             lines, transient = rank.splitters[kind].feed(data)
             self._emit_lines(rank, kind, lines, transient)
+            self._quiet.heard(time.monotonic())
             if len(data) < _COALESCE_BELOW:
                 self._output_trickle = True
         return True
@@ -236,7 +260,7 @@ class Supervisor:
                 self._fail(rank, RankFailure(r, f"its return value could not be unpickled here: {error!r}"))
         elif kind == wire.ERROR:
             report = pickle.loads(body)
-            failure = _failure_from_report(r, report)
+            failure = failure_from_report(r, report)
             if rank.failure is not None and not rank.report_complete:
                 rank.failure = failure  # the full report of the failure already known
             self._fail(rank, failure, report["time"])
@@ -244,12 +268,14 @@ class Supervisor:
         elif kind == wire.METRICS:
             values, step = pickle.loads(body)
             self._emit(Metrics(rank=r, values=values, step=step))
+            self._quiet.heard(time.monotonic())
         elif kind == wire.PROGRESS:
-            bar_id, n, total, desc, closed = pickle.loads(body)
-            self._emit(Progress(rank=r, bar_id=bar_id, n=n, total=total, desc=desc, closed=closed))
+            bar_id, n, total, desc, closed, auto = pickle.loads(body)
+            self._emit(Progress(rank=r, bar_id=bar_id, n=n, total=total, desc=desc, closed=closed, auto=auto))
+            self._quiet.heard(time.monotonic())
         elif kind == wire.STACKS:
             self._stacks[r] = body.decode("utf-8", "replace")
-            self._emit(Stacks(rank=r, text=self._stacks[r]))
+            self._emit(Stacks(rank=r, text=self._stacks[r], why=self._stacks_why))
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
 
@@ -280,7 +306,7 @@ class Supervisor:
             if process.killed_by_launcher:
                 self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
                 return
-            self._fail(rank, _failure_from_exit(rank.number, code, list(rank.tail)))
+            self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail)))
         failure = rank.failure
         failure.exitcode = code
         if not rank.report_complete:
@@ -293,6 +319,8 @@ class Supervisor:
     def _stop(self, stack_budget: float, *, fallback: bool) -> None:
         """Collect the live ranks' stacks within ``stack_budget`` seconds, then kill them all."""
         self._stopping = True
+        self._stacks_why = "stop"
+        self._stacks.clear()  # a snapshot taken earlier is not where the ranks were stopped
         asked = [r for r in self._live() if r.failure is None]
         for rank in asked:
             rank.pipes.request_stacks()
@@ -355,39 +383,3 @@ class Supervisor:
         error = RankFailedError([r.failure for r in ordered], self.stacks)
         error.__cause__ = ordered[0].failure.exception
         return error
-
-
-def _failure_from_report(rank: int, report: dict) -> RankFailure:
-    exception: BaseException
-    try:
-        exception = pickle.loads(report["exception"]) if report["exception"] else None
-    except Exception:
-        exception = None
-    if exception is None:
-        type_name = report["type"].rsplit(".", 1)[-1]
-        exception = RemoteError(type_name, report["reason"].split(": ", 1)[-1])
-    if report["traceback"]:
-        exception.__cause__ = RemoteTraceback(report["traceback"])
-    return RankFailure(
-        rank=rank,
-        reason=report["reason"],
-        exception=exception,
-        traceback=report["traceback"],
-        collateral=report["collateral"],
-        hint=report.get("hint", ""),
-    )
-
-
-def _failure_from_exit(rank: int, code: int, tail: list[str]) -> RankFailure:
-    if code < 0:
-        name = signal.Signals(-code).name
-        reason = f"killed by {name}"
-        if -code == signal.SIGKILL:
-            reason += " (most likely the out-of-memory killer: the machine ran out of memory)"
-        return RankFailure(rank, reason, exitcode=code, signal_name=name, log_tail=tail)
-    if code == 0:
-        return RankFailure(rank, "exited with code 0 without returning (os._exit in the function?)", exitcode=code, log_tail=tail)
-    reason = f"exited with code {code}"
-    if not tail:
-        reason += " without a report and without writing anything"
-    return RankFailure(rank, reason, exitcode=code, log_tail=tail)

@@ -1,6 +1,6 @@
 """How a rank tells the launcher that it failed, in its function or before it could run it.
 
-A report is a pickled dict on the event pipe (see ``_failure_from_report`` in the supervisor).
+A report is a pickled dict on the event pipe (see ``failure_from_report`` in nblaunch.launch.errors).
 Everything here must work whatever the exception does: its ``__str__`` may raise, it may not
 pickle, formatting its traceback reads source files that may be slow.
 """
