@@ -16,7 +16,7 @@ HEADER = struct.Struct("<cQ")
 RESULT = b"R"  # pickled return value of the function
 ERROR = b"E"  # pickled RemoteFailure (see nblaunch.worker.bootstrap)
 METRICS = b"M"  # pickled (values, step)
-PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed)
+PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed, auto)
 STACKS = b"S"  # utf-8 text: every thread's stack
 CLEANED = b"C"  # empty body: the process stopped everything it had started, and is leaving
 # Launcher -> worker

@@ -30,6 +30,8 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.distributed import DistributedSampler
 
 from nblaunch.training import xla
+from nblaunch.worker import channel
+from nblaunch.worker.progress import BarReporter
 from nblaunch.training.ops import send_to_device
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeedableRandomSampler, SeededByEpoch,
@@ -182,6 +184,7 @@ class PreparedDataLoader(DataLoader):
         progress = self._progress = Progress()
         progress.count = skip
         progress.in_epoch = True
+        progress.bar = _epoch_bar(self, self._current_epoch, skip)
         self._gradient_state._enter_loader(self)
         try:
             yield progress
@@ -189,6 +192,8 @@ class PreparedDataLoader(DataLoader):
         finally:
             progress.in_epoch = not progress.end
             self._gradient_state._leave_loader(self)
+            if progress.bar is not None:
+                progress.bar.close(progress.count)
 
     def _batches(self, iterator: Iterator[Any], skip: int, index_skip: bool) -> Iterator[Any]:
         feed = self._feed
@@ -209,7 +214,7 @@ class PreparedDataLoader(DataLoader):
                     if count >= last:
                         progress.end = True
                     count += 1
-                    progress.count = count
+                    progress.advance(count)
                     if feed is not None:
                         batch = feed(batch)
                     yield batch
@@ -222,7 +227,7 @@ class PreparedDataLoader(DataLoader):
                     if following is _END:
                         progress.end = True
                     count += 1
-                    progress.count = count
+                    progress.advance(count)
                     if feed is not None:
                         current = feed(current)
                     yield current
@@ -243,14 +248,34 @@ def _feeder(device: torch.device | None, non_blocking: bool) -> Callable[[Any], 
 
 
 class Progress:
-    """Where an epoch's iteration is: batches handed out, the last one reached, still going."""
+    """Where an epoch's iteration is: batches handed out, the last one reached, still going;
+    inside a launch also the rank's progress bar in the cell (hidden there when the user's
+    code draws bars of its own)."""
 
-    __slots__ = ("count", "end", "in_epoch")
+    __slots__ = ("count", "end", "in_epoch", "bar")
 
     def __init__(self) -> None:
         self.count = 0
         self.end = False
         self.in_epoch = False
+        self.bar: BarReporter | None = None
+
+    def advance(self, count: int) -> None:
+        self.count = count
+        if self.bar is not None:
+            self.bar.update(count)  # throttled: a clock read per batch, a report ~10 times a second
+
+
+def _epoch_bar(loader: DataLoader, epoch: int, skip: int) -> BarReporter | None:
+    if not channel.in_launch():
+        return None
+    try:
+        total = len(loader)
+    except TypeError:
+        total = None
+    bar = BarReporter(total, f"batches, epoch {epoch}", auto=True)
+    bar.update(skip)
+    return bar
 
 
 class _SkipView:

@@ -109,7 +109,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
                     current = concatenate([current, _repeated(first, per_rank * P - observed)])
                 part = self._slice_fn(current, slice(rank * per_rank, (rank + 1) * per_rank),
                                       process_index=rank, num_processes=P)
-                progress.count += 1
+                progress.advance(progress.count + 1)
                 if last:
                     self._last_round_real = observed
                     progress.end = True

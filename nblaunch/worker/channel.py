@@ -83,12 +83,13 @@ def log_metrics(values: dict[str, float], step: int | None = None) -> bool:
 
 
 def report_progress(
-    bar_id: int, n: float, total: float | None, desc: str = "", closed: bool = False
+    bar_id: int, n: float, total: float | None, desc: str = "", closed: bool = False, auto: bool = False
 ) -> bool:
-    """Report the position of a progress bar; the launcher draws it."""
+    """Report the position of a progress bar; the launcher draws it. ``auto``: a bar nblaunch
+    draws by itself (a prepared DataLoader's), which gives way to the user's own bars."""
     if not in_launch():
         return False
-    return send(wire.PROGRESS, pickle.dumps((bar_id, n, total, desc, closed)))
+    return send(wire.PROGRESS, pickle.dumps((bar_id, n, total, desc, closed, auto)))
 
 
 def _to_number(value):

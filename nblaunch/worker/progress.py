@@ -48,10 +48,11 @@ class BarReporter:
         bar.close(100)
     """
 
-    def __init__(self, total: float | None, desc: str = "") -> None:
+    def __init__(self, total: float | None, desc: str = "", auto: bool = False) -> None:
         self.bar_id = next(_bar_ids)
         self.total = total
         self.desc = desc
+        self.auto = auto  # drawn by nblaunch (a prepared DataLoader), not asked for by the user
         self._last = -float("inf")
 
     def update(self, n: float, desc: str | None = None) -> None:
@@ -61,10 +62,10 @@ class BarReporter:
         now = time.monotonic()
         if now - self._last >= REPORT_INTERVAL_S or n == self.total:
             self._last = now
-            channel.report_progress(self.bar_id, n, self.total, self.desc)
+            channel.report_progress(self.bar_id, n, self.total, self.desc, auto=self.auto)
 
     def close(self, n: float) -> None:
-        channel.report_progress(self.bar_id, n, self.total, self.desc, closed=True)
+        channel.report_progress(self.bar_id, n, self.total, self.desc, closed=True, auto=self.auto)
 
 
 def progress(iterable: Iterable[T], total: float | None = None, desc: str = "") -> Iterator[T]:

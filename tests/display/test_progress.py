@@ -48,8 +48,8 @@ def drain(pipe_channel) -> list[tuple]:
 def test_progress_reports_throttled_and_always_the_end(pipe_channel):
     assert sum(progress(range(100_000), desc="train")) == sum(range(100_000))
     frames = drain(pipe_channel)
-    assert frames[0][1:] == (0, 100_000, "train", False)
-    assert frames[-1][1:] == (100_000, 100_000, "train", True)
+    assert frames[0][1:5] == (0, 100_000, "train", False)
+    assert frames[-1][1:5] == (100_000, 100_000, "train", True)
     assert len(frames) < 30  # ~10 per second at most, not one per item
     assert len({f[0] for f in frames}) == 1
 
@@ -59,7 +59,7 @@ def test_a_loop_left_early_closes_its_bar_where_it_stopped(pipe_channel):
         if i == 3:
             break
     frames = drain(pipe_channel)
-    assert frames[-1][1:] == (3, None, "search", True)
+    assert frames[-1][1:5] == (3, None, "search", True)
 
 
 def test_outside_a_launch_progress_is_just_iteration():
@@ -95,11 +95,11 @@ def test_tqdm_bars_are_reported_not_drawn():
     bars = by_desc(frames)
 
     std = bars["std"]
-    assert std[-1][1:] == (500, 500, "std", True)
+    assert std[-1][1:5] == (500, 500, "std", True)
     assert len(std) < 30  # throttled even with mininterval=0
-    assert bars["auto"][-1][1:] == (300, 300, "auto", True)  # disable=None did not turn it off
+    assert bars["auto"][-1][1:5] == (300, 300, "auto", True)  # disable=None did not turn it off
     notebook = [f for f in frames if f[3].startswith("notebook")]
-    assert notebook[-1][1:] == (40, 40, "notebook loss=0.25", True)
+    assert notebook[-1][1:5] == (40, 40, "notebook loss=0.25", True)
     assert bars["nested outer"][-1][1:3] == (5, 5)
     assert sum(1 for f in frames if f[3] == "nested inner" and f[4]) == 5  # five inner bars, each closed
     # Nothing drawn: the only output is what the code printed itself.
@@ -108,5 +108,5 @@ def test_tqdm_bars_are_reported_not_drawn():
 
 def test_tqdm_imported_in_a_kernel_before_the_hook_still_reports_without_widgets():
     frames, output = run_tqdm_worker("imported_before")
-    assert frames[-1][1:] == (100, 100, "auto from a kernel", True)
+    assert frames[-1][1:5] == (100, 100, "auto from a kernel", True)
     assert "%|" not in output and "\r" not in output
