@@ -1,9 +1,10 @@
 """HTML for each part of the dashboard, from a :class:`~nblaunch.display.state.LaunchView`.
 
 Plain functions from the view to HTML text, used twice: by the live widget (one HTML widget
-per part) and for the static summary left in the cell at the end, which a saved notebook shows
-without a widget manager (GitHub, nbviewer). Only inline styles and inline SVG: no scripts, no
-stylesheets, nothing a frontend could strip or that could leak into the page. Elements carry
+per part) and by :mod:`nblaunch.display.summary` for the static record left in the cell at the
+end, which a saved notebook shows without a widget manager (GitHub, nbviewer). Inline styles and inline SVG, no scripts; the one
+stylesheet is two keyframes of our own names (the live view's "not updated since" note), which
+nothing else on the page can match. Elements carry
 ``nbl-*`` classes and ``data-*`` attributes so tests (and curious users) can find them.
 
 Example::
@@ -14,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import re
+import time
 from html import escape
 
 from nblaunch import frames
@@ -37,13 +39,12 @@ STATE_MARKS = {
     RankState.STARTING: "…", RankState.RUNNING: "▶", RankState.DONE: "✔",
     RankState.FAILED: "✘", RankState.STOPPED: "■",
 }
-SUMMARY_LOG_LINES = 40  # log tail per rank in the static summary: enough to see the end, small to save
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # colour codes and cursor moves from tools' output
 # line-height: widget stylesheets set a tall one for one-line controls, too airy for tables.
-_FONT = "font-family: var(--jp-ui-font-family, system-ui, sans-serif); font-size: 13px; line-height: 1.45;"
-_MONO = "font-family: var(--jp-code-font-family, monospace); font-size: 12px;"
-_MUTED = "opacity: 0.7;"
+FONT = "font-family: var(--jp-ui-font-family, system-ui, sans-serif); font-size: 13px; line-height: 1.45;"
+MONO = "font-family: var(--jp-code-font-family, monospace); font-size: 12px;"
+MUTED = "opacity: 0.7;"
 
 
 def rank_colour(rank: int) -> str:
@@ -75,7 +76,7 @@ def header_html(view: LaunchView, now: float) -> str:
     """What was launched, how long it has run, and how it is going."""
     plan = view.plan
     if plan is None:
-        return f'<div class="nbl-header" style="{_FONT}">{badge(view.state)} waiting for the launch…</div>'
+        return f'<div class="nbl-header" style="{FONT}">{badge(view.state)} waiting for the launch…</div>'
     ranks = f"{plan.num_processes} process{'es' if plan.num_processes != 1 else ''}"
     if plan.world_size != plan.num_processes:
         ranks += f" (node {plan.node_rank}, world size {plan.world_size})"
@@ -83,7 +84,7 @@ def header_html(view: LaunchView, now: float) -> str:
         ranks,
         f"devices: {escape(plan.devices)}",
         f"start: {escape(plan.start_method)}"
-        + (f' <span style="{_MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
+        + (f' <span style="{MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
         f"rendezvous: {escape(plan.rendezvous)}",
     ]
     if view.restarted is not None:
@@ -93,83 +94,137 @@ def header_html(view: LaunchView, now: float) -> str:
     logs = ""
     if plan.log_dir:
         logs = (
-            f'<div style="{_MUTED}">full logs: <code class="nbl-logdir">'
+            f'<div style="{MUTED}">full logs: <code class="nbl-logdir">'
             f"{escape(plan.log_dir)}</code></div>"
         )
+    claim = f'{badge(view.state)} &nbsp;<span class="nbl-elapsed">{format_duration(view.elapsed(now))}</span>'
+    stale = ""
+    if view.finished is None and view.state is RankState.RUNNING:  # redrawn every second from now on
+        claim = _stale_mark(claim)
+        stale = (
+            f'{_STALE_STYLE}<div class="nbl-stale" style="font-size: 0; color: #b45309; animation: '
+            f'nbl-stale-note 0s {STALE_AFTER_S}s forwards">⚠ not updated since {time.strftime("%H:%M:%S")}: '
+            "the kernel stopped, restarted or lost its connection, and the ranks went with it</div>"
+        )
     return (
-        f'<div class="nbl-header" data-state="{view.state.value}" style="{_FONT}">'
-        f'<div><b style="font-size: 14px">{escape(plan.function_name)}</b> &nbsp;{badge(view.state)}'
-        f' &nbsp;<span class="nbl-elapsed">{format_duration(view.elapsed(now))}</span></div>'
-        f'<div style="{_MUTED}">{" · ".join(facts)}</div>{logs}</div>'
+        f'<div class="nbl-header" data-state="{view.state.value}" style="{FONT}">'
+        f'<div><b style="font-size: 14px">{escape(plan.function_name)}</b> &nbsp;{claim}</div>{stale}'
+        f'<div style="{MUTED}">{" · ".join(facts)}</div>{logs}</div>'
     )
 
 
 # -- ranks ---------------------------------------------------------------------------------
 
+QUIET_NOTE_S = 10.0  # a running rank silent this long says so in its row
+STALE_AFTER_S = 6  # the live view redraws every second; this long without a redraw, it says so
+
 
 def ranks_html(view: LaunchView, now: float) -> str:
-    """One row per rank: state, progress bars, last line (or why it ended), elapsed."""
-    rows = "".join(_rank_row(rank, now) for rank in view.ranks.values())
-    cell = "padding: 2px 8px; text-align: left; vertical-align: top;"
-    head = "".join(
-        f'<th style="{cell} font-weight: 600">{name}</th>'
-        for name in ("rank", "state", "progress", "last line", "elapsed")
-    )
+    """One row per rank: state, elapsed, progress bars (when any rank has one), last line.
+
+    The last line takes the width that is left and is cut with an ellipsis (the whole line is
+    its tooltip), so the table fits the cell; a box that scrolls sideways is the backstop for
+    very narrow cells.
+    """
+    ranks = list(view.ranks.values())
+    with_bars = any(rank.shown_bars() for rank in ranks)
+    rows = "".join(_rank_row(rank, now, with_bars, live=view.finished is None) for rank in ranks)
+    names = ("rank", "state", "elapsed") + (("progress",) if with_bars else ()) + ("last line",)
+    head = "".join(f'<th style="{_CELL} font-weight: 600; white-space: nowrap">{name}</th>' for name in names)
     return (
-        f'<table class="nbl-ranks" style="{_FONT} border-collapse: collapse; width: 100%; '
-        f'table-layout: auto"><thead><tr style="border-bottom: 1px solid rgba(127,127,127,.4)">'
-        f"{head}</tr></thead><tbody>{rows}</tbody></table>"
+        f'<div class="nbl-ranks-box" style="overflow-x: auto; max-width: 100%">'
+        # table-layout: JupyterLab's stylesheet for HTML outputs fixes it, which shares the width
+        # out evenly and lets long text overlap the next column.
+        f'<table class="nbl-ranks" style="{FONT} border-collapse: collapse; width: 100%; table-layout: auto">'
+        f'<thead><tr style="border-bottom: 1px solid rgba(127,127,127,.4)">{head}</tr></thead>'
+        f"<tbody>{rows}</tbody></table></div>"
     )
 
 
-def _rank_row(rank: RankView, now: float) -> str:
-    cell = "padding: 3px 8px; text-align: left; vertical-align: top;"
+_CELL = "padding: 3px 8px; text-align: left; vertical-align: top;"
+
+
+def _rank_row(rank: RankView, now: float, with_bars: bool, live: bool) -> str:
+    running = rank.state is RankState.RUNNING and live
     if rank.started_t is None:
         elapsed = ""
     else:
         elapsed = format_duration((rank.finished_t if rank.finished_t is not None else now) - rank.started_t)
-    bars = "".join(_bar(bar, rank_colour(rank.rank)) for bar in rank.shown_bars())
+    if running and rank.last_heard_t is not None and now - rank.last_heard_t >= QUIET_NOTE_S:
+        elapsed += (f'<div class="nbl-quiet" style="color: #b45309">no output for '
+                    f"{format_duration(now - rank.last_heard_t)}</div>")
     if rank.state in (RankState.FAILED, RankState.STOPPED) and rank.detail:
         last = rank.detail.strip().splitlines()[-1]
-        last_html = f'<span style="color: {STATE_COLOURS[rank.state]}">{_text(last)}</span>'
+        last_html = f'<span style="color: {STATE_COLOURS[rank.state]}">{plain_text(last)}</span>'
     else:
-        last_html = _text(rank.last_line)
+        last, last_html = rank.last_line, plain_text(rank.last_line)
+    state = badge(rank.state)
+    if running:
+        state = _stale_mark(state)
+    progress = ""
+    if with_bars:
+        bars = "".join(_bar(bar, rank_colour(rank.rank), running) for bar in rank.shown_bars())
+        progress = f'<td style="{_CELL} width: 1%">{bars}</td>'
     return (
         f'<tr class="nbl-rank" data-rank="{rank.rank}" data-state="{rank.state.value}">'
-        f'<td style="{cell} color: {rank_colour(rank.rank)}; font-weight: 600">{rank.rank}</td>'
-        f'<td style="{cell}">{badge(rank.state)}</td>'
-        f'<td style="{cell} min-width: 260px">{bars}</td>'
-        f'<td class="nbl-last" style="{cell} {_MONO} max-width: 40em; overflow: hidden; '
-        f'text-overflow: ellipsis; white-space: nowrap">{last_html}</td>'
-        f'<td style="{cell} white-space: nowrap">{elapsed}</td></tr>'
+        f'<td style="{_CELL} width: 1%; color: {rank_colour(rank.rank)}; font-weight: 600">{rank.rank}</td>'
+        f'<td style="{_CELL} width: 1%">{state}</td>'
+        f'<td style="{_CELL} width: 1%; white-space: nowrap">{elapsed}</td>{progress}'
+        # width 100% with max-width 0: the column gets what the others (1%: as narrow as their
+        # content) leave, and its text is cut there instead of widening the table.
+        f'<td class="nbl-last" title="{escape(_ANSI.sub("", last))}" style="{_CELL} {MONO} width: 100%; max-width: 0; '
+        f'overflow: hidden; text-overflow: ellipsis; white-space: nowrap">{last_html}</td></tr>'
     )
 
 
-def _bar(bar: Bar, colour: str) -> str:
+def _bar(bar: Bar, colour: str, running: bool) -> str:
     if bar.total:
         fraction = min(max(bar.n / bar.total, 0.0), 1.0)
         count = f"{format_number(bar.n)}/{format_number(bar.total)} ({fraction:.0%})"
     else:  # unknown length: a faint full bar and a count
         fraction = None
         count = format_number(bar.n)
-    facts = [escape(bar.desc), count] if bar.desc else [count]
+    facts = [count]
     rate = bar.rate()
     if rate is not None:
         facts.append(_format_rate(rate))
-        if fraction is not None and fraction < 1 and not bar.closed:
+        if running and fraction is not None and fraction < 1 and not bar.closed:
             facts.append(f"{format_duration((bar.total - bar.n) / rate)} left")
     width = f"{fraction * 100:.1f}%" if fraction is not None else "100%"
     fill_opacity = "1" if fraction is not None else "0.35"
+    desc = ""
+    if bar.desc:  # long descriptions are cut; the whole one is the tooltip
+        desc = (f'<span title="{escape(bar.desc)}" style="display: inline-block; max-width: 16em; '
+                f'overflow: hidden; text-overflow: ellipsis; vertical-align: bottom">{escape(bar.desc)}</span> · ')
+    # Inline boxes in a line that does not wrap: a table cell sizes itself to them (a flex row
+    # inside a table cell was measured too narrow, and its text ran over the next column).
     return (
         f'<div class="nbl-bar" data-bar="{bar.bar_id}" data-n="{bar.n:g}" '
-        f'data-total="{"" if bar.total is None else f"{bar.total:g}"}" '
-        'style="display: flex; align-items: center; gap: 8px; margin: 1px 0">'
-        '<div style="flex: 0 0 140px; height: 9px; border-radius: 3px; overflow: hidden; '
-        'background: rgba(127,127,127,.22)">'
-        f'<div class="nbl-fill" style="width: {width}; height: 100%; background: {colour}; '
-        f'opacity: {fill_opacity}"></div></div>'
-        f'<span style="white-space: nowrap">{" · ".join(facts)}</span></div>'
+        f'data-total="{"" if bar.total is None else f"{bar.total:g}"}" style="white-space: nowrap; margin: 1px 0">'
+        '<span style="display: inline-block; width: 120px; height: 9px; border-radius: 3px; overflow: hidden; '
+        'background: rgba(127,127,127,.22); margin-right: 8px; vertical-align: middle">'
+        f'<span class="nbl-fill" style="display: block; width: {width}; height: 100%; background: {colour}; '
+        f'opacity: {fill_opacity}"></span></span>'
+        f'<span style="vertical-align: middle">{desc}{" · ".join(facts)}</span></div>'
     )
+
+
+# Keyframes need a stylesheet; the names are ours alone, so the page's other styles are safe.
+_STALE_STYLE = (
+    "<style>@keyframes nbl-stale-claim { to { opacity: 0.45; text-decoration: line-through } }"
+    "@keyframes nbl-stale-note { to { font-size: 12px } }</style>"
+)
+
+
+def _stale_mark(html: str) -> str:
+    """``html`` struck through once the live view has not been redrawn for STALE_AFTER_S.
+
+    Every redraw makes new elements, which restarts the animation's delay: while the kernel
+    updates the view nothing happens; once it stops (killed, restarted, disconnected) the claim
+    to be running is crossed out by the browser alone.
+    """
+    return (f'<span class="nbl-stale-claim" style="animation: nbl-stale-claim 0s {STALE_AFTER_S}s '
+            f'forwards">{html}</span>')
 
 
 def _format_rate(rate: float) -> str:
@@ -177,6 +232,25 @@ def _format_rate(rate: float) -> str:
     if rate < 1:
         return f"{1 / rate:.3g} s/it"
     return f"{rate:.3g} it/s" if rate < 100 else f"{rate:,.0f} it/s"
+
+
+# -- stacks while running ---------------------------------------------------------------------
+
+
+def stacks_html(view: LaunchView) -> str:
+    """Where each rank was when last asked (by the user, or because the launch went quiet), folded."""
+    shown = [r for r in view.ranks.values() if r.stacks and r.stacks_why != "stop"]
+    if not shown:
+        return ""
+    why = ("every rank was quiet for a while" if any(r.stacks_why == "quiet" for r in shown)
+           else "you asked")
+    folds = []
+    for rank in shown:
+        where = frames.where(rank.stacks or "")
+        label = f"rank {rank.rank} at {rank.stacks_at}" + (f" · {escape(where)}" if where else "")
+        folds.append(fold(label, pre_block(rank.stacks or ""), False, escaped=True))
+    return (f'<div class="nbl-stacks" style="{FONT}"><div style="{MUTED}">where each rank is ({why}; '
+            f"the launch goes on):</div>{''.join(folds)}</div>")
 
 
 # -- logs ----------------------------------------------------------------------------------
@@ -189,26 +263,28 @@ def log_html(view: LaunchView, rank: int | None, height_em: int = 22) -> str:
     lines without any script.
     """
     ring = view.merged if rank is None else view.ranks[rank].log
-    body = _log_lines(ring, merged=rank is None)
+    if not ring.total and not ring.view():
+        return f'<div class="nbl-log" data-rank="{"all" if rank is None else rank}" style="{FONT} {MUTED}">no output yet</div>'
+    body = log_lines(ring, merged=rank is None)
     return (
-        f'<div class="nbl-log" data-rank="{"all" if rank is None else rank}" style="{_FONT}">'
+        f'<div class="nbl-log" data-rank="{"all" if rank is None else rank}" style="{FONT}">'
         f'<div style="max-height: {height_em}em; overflow: auto; display: flex; '
         'flex-direction: column-reverse; border: 1px solid rgba(127,127,127,.3); border-radius: 3px">'
         # flex: none, overflow: visible: some frontends give <pre> its own scrolling, which
         # would shrink it into the box and scroll it from the top.
-        f'<pre style="{_MONO} flex: none; overflow: visible; margin: 0; padding: 4px 6px; '
+        f'<pre style="{MONO} flex: none; overflow: visible; margin: 0; padding: 4px 6px; '
         f'white-space: pre-wrap; word-break: break-all; background: transparent">{body}</pre></div>'
-        f'<div style="{_MUTED} font-size: 11px">{_log_note(view, ring, rank)}</div></div>'
+        f'<div style="{MUTED} font-size: 11px">{_log_note(view, ring, rank)}</div></div>'
     )
 
 
-def _log_lines(ring: LogRing, merged: bool, last: int | None = None) -> str:
+def log_lines(ring: LogRing, merged: bool, last: int | None = None) -> str:
     lines = ring.view()
     if last is not None:
         lines = lines[-last:]
     out = []
     for line in lines:
-        text = _text(line.text)
+        text = plain_text(line.text)
         if line.stream == "stderr":
             text = f'<span style="color: #c0392b">{text}</span>'
         if merged:
@@ -253,12 +329,12 @@ def metrics_html(view: LaunchView) -> str:
         step = max((s.last[0] for s in by_rank.values() if s.last), default=0)
         rows.append(
             f'<tr class="nbl-metric" data-metric="{escape(name)}"><td style="{cell} text-align: left">'
-            f'{escape(name)}</td>{"".join(values)}<td style="{cell} {_MUTED}">{format_number(step)}</td></tr>'
+            f'{escape(name)}</td>{"".join(values)}<td style="{cell} {MUTED}">{format_number(step)}</td></tr>'
         )
     table = (
-        f'<table class="nbl-metrics" style="{_FONT} border-collapse: collapse; align-self: flex-start">'
+        f'<table class="nbl-metrics" style="{FONT} border-collapse: collapse; align-self: flex-start">'
         f'<thead><tr><th style="{cell} text-align: left">metric</th>{head}'
-        f'<th style="{cell} {_MUTED}">step</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
+        f'<th style="{cell} {MUTED}">step</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
     )
     return (
         f'<div class="nbl-metrics-panel" style="display: flex; flex-wrap: wrap; gap: 8px 16px; '
@@ -266,96 +342,19 @@ def metrics_html(view: LaunchView) -> str:
     )
 
 
-# -- the end ---------------------------------------------------------------------------------
-
-
-def summary_html(view: LaunchView, now: float) -> str:
-    """The static record of the launch, left in the cell output once it is over.
-
-    Self-contained: header, rank table, results or the error with its traceback, where every
-    rank was stopped, metrics, and the last lines of every rank's log (folded).
-    """
-    finished = view.finished
-    state = view.state
-    title = escape(view.plan.function_name) if view.plan else "launch"
-    parts = [
-        f'<div class="nbl-summary" data-state="{state.value}" style="{_FONT} border-left: 3px solid '
-        f'{STATE_COLOURS[state]}; padding: 4px 10px">',
-        f'<div style="font-size: 14px"><b>{title}</b> &nbsp;{badge(state)} &nbsp;'
-        f"in {view.elapsed(now):.1f} s</div>",
-    ]
-    error = finished.error if finished is not None else None
-    if finished is not None and finished.summary and finished.root_cause_rank is None:
-        parts.append(f'<div class="nbl-summary-text">{_pre(finished.summary)}</div>')
-    if error is not None:
-        # The error's headline and what it adds (other ranks, a hint); its traceback is the
-        # exception's, shown once, below the cell's outputs.
-        where = f" (root cause: rank {finished.root_cause_rank})" if finished.root_cause_rank is not None else ""
-        parts.append(
-            f'<div class="nbl-error"><b style="color: {STATE_COLOURS[RankState.FAILED]}">'
-            f"{escape(type(error).__name__)}{where}</b>{_pre(str(error))}</div>"
-        )
-    elif finished is not None and finished.results is not None:
-        parts.append(_results(finished.results))
-    parts.append(ranks_html(view, now))
-    for rank in view.ranks.values():
-        if rank.detail and rank.state is RankState.FAILED and not (finished and finished.error):
-            parts.append(_fold(f"rank {rank.rank}: {rank.detail.strip().splitlines()[-1]}", _pre(rank.detail), True))
-    stacks = [r for r in view.ranks.values() if r.stacks]
-    for rank in stacks:
-        # Folded, the place in the label: the whole stack is one click away (and in the log).
-        where = frames.where(rank.stacks or "")
-        label = f"rank {rank.rank}: where it was stopped" + (f" · {escape(where)}" if where else "")
-        parts.append(_fold(label, _pre(rank.stacks or ""), False, escaped=True))
-    metrics = metrics_html(view)
-    if metrics:
-        parts.append(f'<div style="margin-top: 6px">{metrics}</div>')
-    for rank in view.ranks.values():
-        ring = rank.log
-        if not ring.total and not ring.view():
-            continue
-        shown = min(SUMMARY_LOG_LINES, len(ring.view()))
-        label = f"rank {rank.rank} log: last {shown} of {ring.total} lines"
-        path = view.log_path(rank.rank)
-        if path:
-            label += f" · {escape(path)}"
-        body = f'<pre style="{_MONO} white-space: pre-wrap; margin: 2px 0">' + _log_lines(ring, False, SUMMARY_LOG_LINES) + "</pre>"
-        parts.append(_fold(label, body, False, escaped=True))
-    parts.append("</div>")
-    return "".join(parts)
-
-
-def _results(results: list) -> str:
-    cell = "padding: 1px 10px; text-align: left; vertical-align: top;"
-    rows = "".join(
-        f'<tr><td style="{cell} color: {rank_colour(r)}">rank {r}</td>'
-        f'<td style="{cell} {_MONO}">{_text(_short_repr(value))}</td></tr>'
-        for r, value in enumerate(results)
-    )
-    return f'<table class="nbl-results" style="border-collapse: collapse; margin: 4px 0">{rows}</table>'
-
-
-def _short_repr(value: object, limit: int = 300) -> str:
-    try:
-        text = repr(value)
-    except Exception as error:  # a broken __repr__ must not break the summary
-        text = f"<unprintable {type(value).__name__}: {error}>"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _fold(label: str, body: str, open_: bool, escaped: bool = False) -> str:
+def fold(label: str, body: str, open_: bool, escaped: bool = False) -> str:
     return (
         f'<details{" open" if open_ else ""} style="margin: 3px 0"><summary style="cursor: pointer">'
         f"{label if escaped else escape(label)}</summary>{body}</details>"
     )
 
 
-def _pre(text: str) -> str:
+def pre_block(text: str) -> str:
     return (
-        f'<pre style="{_MONO} white-space: pre-wrap; margin: 2px 0; padding: 4px 6px; '
-        f'background: rgba(127,127,127,.08)">{_text(text)}</pre>'
+        f'<pre style="{MONO} white-space: pre-wrap; margin: 2px 0; padding: 4px 6px; '
+        f'background: rgba(127,127,127,.08)">{plain_text(text)}</pre>'
     )
 
 
-def _text(text: str) -> str:
+def plain_text(text: str) -> str:
     return escape(_ANSI.sub("", text))

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from nblaunch.display.logring import LogLine, LogRing
@@ -34,7 +35,7 @@ from nblaunch.events import (
 )
 
 # Names of the parts of the picture, as found in ``LaunchView.dirty``.
-HEADER, RANKS, METRICS, MERGED_LOG, SUMMARY = "header", "ranks", "metrics", "log:all", "summary"
+HEADER, RANKS, METRICS, MERGED_LOG, STACKS, SUMMARY = "header", "ranks", "metrics", "log:all", "stacks", "summary"
 
 
 def rank_log(rank: int) -> str:
@@ -53,6 +54,7 @@ class Bar:
     first_n: float
     first_t: float
     last_t: float
+    auto: bool = False  # nblaunch's own bar (see nblaunch.events.Progress)
 
     def rate(self) -> float | None:
         """Items per second since the bar was first seen."""
@@ -70,16 +72,24 @@ class RankView:
     finished_t: float | None = None
     bars: dict[int, Bar] = field(default_factory=dict)  # open bars, in creation order
     last_closed: Bar | None = None  # shown when no bar is open
+    draws_own_bars: bool = False  # then nblaunch's own (a prepared DataLoader's) are not shown
     last_line: str = ""
+    last_heard_t: float | None = None  # the last output, progress or metric
     detail: str = ""
     exitcode: int | None = None
     stacks: str | None = None
+    stacks_why: str = "stop"  # see nblaunch.events.Stacks
+    stacks_at: str = ""  # wall-clock time the stacks came, for the reader
 
     def shown_bars(self) -> list[Bar]:
         """Open bars (outer loop first), or the last finished one."""
-        if self.bars:
-            return list(self.bars.values())
-        return [self.last_closed] if self.last_closed is not None else []
+        shown = [bar for bar in self.bars.values() if self.shows(bar)]
+        if not shown and self.last_closed is not None and self.shows(self.last_closed):
+            shown = [self.last_closed]
+        return shown
+
+    def shows(self, bar: Bar) -> bool:
+        return not (bar.auto and self.draws_own_bars)
 
 
 class LaunchView:
@@ -123,14 +133,15 @@ class LaunchView:
     def apply(self, event: Event, now: float) -> None:
         """Fold one event into the picture and mark what changed."""
         if isinstance(event, Output):
-            self._output(event)
+            self._output(event, now)
         elif isinstance(event, Progress):
             self._progress(event, now)
         elif isinstance(event, Metrics):
             self._metrics(event)
+            self.rank(event.rank).last_heard_t = now
         elif isinstance(event, RankStarted):
             rank = self.rank(event.rank)
-            rank.state, rank.pid, rank.started_t = RankState.RUNNING, event.pid, now
+            rank.state, rank.pid, rank.started_t, rank.last_heard_t = RankState.RUNNING, event.pid, now, now
             self.dirty |= {RANKS, HEADER}
         elif isinstance(event, RankFinished):
             rank = self.rank(event.rank)
@@ -138,8 +149,9 @@ class LaunchView:
             rank.finished_t = now
             self.dirty |= {RANKS, HEADER}
         elif isinstance(event, Stacks):
-            self.rank(event.rank).stacks = event.text
-            self.dirty |= {RANKS, SUMMARY}
+            rank = self.rank(event.rank)
+            rank.stacks, rank.stacks_why, rank.stacks_at = event.text, event.why, time.strftime("%H:%M:%S")
+            self.dirty |= {RANKS, STACKS, SUMMARY}
         elif isinstance(event, LaunchStarted):
             self.plan, self.started_t = event, now
             for r in range(event.num_processes):
@@ -169,7 +181,7 @@ class LaunchView:
         self.merged.extend(event.failed_rank, "stderr", (line,))
         self.dirty |= {HEADER, RANKS, MERGED_LOG}
 
-    def _output(self, event: Output) -> None:
+    def _output(self, event: Output, now: float) -> None:
         rank = self.rank(event.rank)
         if event.transient:
             line = LogLine(event.rank, event.stream, event.lines[0])
@@ -178,6 +190,7 @@ class LaunchView:
         else:
             rank.log.extend(event.rank, event.stream, event.lines)
             self.merged.extend(event.rank, event.stream, event.lines)
+        rank.last_heard_t = now
         for text in reversed(event.lines):  # the last line with something on it
             if text.strip():
                 rank.last_line = text
@@ -186,15 +199,19 @@ class LaunchView:
 
     def _progress(self, event: Progress, now: float) -> None:
         rank = self.rank(event.rank)
+        rank.last_heard_t = now
+        rank.draws_own_bars |= not event.auto
         bar = rank.bars.get(event.bar_id)
         if bar is None:
-            bar = Bar(event.bar_id, event.n, event.total, event.desc, event.closed, event.n, now, now)
+            bar = Bar(event.bar_id, event.n, event.total, event.desc, event.closed, event.n, now, now, event.auto)
             rank.bars[event.bar_id] = bar
         bar.n, bar.total, bar.desc, bar.closed, bar.last_t = (
             event.n, event.total, event.desc, event.closed, now
         )
         if event.closed:
-            rank.last_closed = rank.bars.pop(event.bar_id)
+            closed = rank.bars.pop(event.bar_id)
+            if rank.shows(closed):  # a hidden bar ending does not replace the user's last one
+                rank.last_closed = closed
         self.dirty.add(RANKS)
 
     def _metrics(self, event: Metrics) -> None:

@@ -12,13 +12,17 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from html import escape
 
 Point = tuple[float, float]
 
 WIDTH, HEIGHT = 340, 190
-_LEFT, _RIGHT, _TOP, _BOTTOM = 56, 10, 24, 22  # room for tick labels and the title
+_RIGHT, _TOP, _BOTTOM = 10, 24, 22  # room for the title above and the step labels below
+_CHAR_W = 6.2  # width of a digit at 11px sans-serif: the left margin is sized to the y labels
+LOG_SCALE_SPAN = 100.0  # positive data spanning this factor or more is drawn on a log scale
+_TICKS = 4  # about this many labelled values per axis
 
 
 def format_number(value: float) -> str:
@@ -32,17 +36,31 @@ def line_chart(
     width: int = WIDTH,
     height: int = HEIGHT,
 ) -> str:
-    """One chart: ``series`` is ``[(label, colour, [(x, y), ...]), ...]`` drawn over shared axes."""
+    """One chart: ``series`` is ``[(label, colour, [(x, y), ...]), ...]`` drawn over shared axes.
+
+    The y axis is logarithmic when every value is positive and they span two decades or more
+    (a loss falling from 2 to 1e-5 stays readable); the title then says so.
+    """
     drawn = [(label, colour, points) for label, colour, points in series if points]
     xs = [x for _, _, points in drawn for x, _ in points]
     ys = [y for _, _, points in drawn for _, y in points]
-    plot_w, plot_h = width - _LEFT - _RIGHT, height - _TOP - _BOTTOM
+    log = bool(ys) and min(ys) > 0 and max(ys) / min(ys) >= LOG_SCALE_SPAN
+    if drawn:
+        x0, x1 = _span(min(xs), max(xs))
+        y0, y1 = _span(math.log10(min(ys)), math.log10(max(ys))) if log else _span(min(ys), max(ys))
+        y_ticks = _log_ticks(y0, y1) if log else _ticks(y0, y1)
+        y_labels = [format_number(10 ** t if log else t) for t in y_ticks]
+    else:
+        y_labels = []
+    left = max(36, round(max((len(label) for label in y_labels), default=0) * _CHAR_W) + 10)
+    plot_w, plot_h = width - left - _RIGHT, height - _TOP - _BOTTOM
     parts = [
-        f'<svg class="nbl-chart" data-metric="{escape(title)}" xmlns="http://www.w3.org/2000/svg" '
-        f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'<svg class="nbl-chart" data-metric="{escape(title)}" data-scale="{"log" if log else "linear"}" '
+        f'xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         'style="font: 11px sans-serif; overflow: visible">',
-        f'<text x="{_LEFT}" y="14" fill="currentColor" font-weight="bold">{escape(title)}</text>',
-        f'<rect x="{_LEFT}" y="{_TOP}" width="{plot_w}" height="{plot_h}" fill="none" '
+        f'<text x="{left}" y="14" fill="currentColor"><tspan font-weight="bold">{escape(title)}</tspan>'
+        + ('<tspan fill-opacity="0.6"> (log scale)</tspan>' if log else "") + "</text>",
+        f'<rect x="{left}" y="{_TOP}" width="{plot_w}" height="{plot_h}" fill="none" '
         'stroke="currentColor" stroke-opacity="0.3"/>',
     ]
     if len(drawn) > 1:
@@ -56,22 +74,21 @@ def line_chart(
         parts.append("</svg>")
         return "".join(parts)
 
-    x0, x1 = _span(min(xs), max(xs))
-    y0, y1 = _span(min(ys), max(ys))
-
     def sx(x: float) -> float:
-        return _LEFT + (x - x0) / (x1 - x0) * plot_w
+        return left + (x - x0) / (x1 - x0) * plot_w
 
     def sy(y: float) -> float:
-        return _TOP + (y1 - y) / (y1 - y0) * plot_h
+        value = math.log10(y) if log else y
+        return _TOP + (y1 - value) / (y1 - y0) * plot_h
 
     bottom = _TOP + plot_h
-    parts += [
-        _label(_LEFT - 4, _TOP + 4, format_number(y1), "end"),
-        _label(_LEFT - 4, bottom, format_number(y0), "end"),
-        _label(_LEFT, bottom + 14, format_number(x0), "start"),
-        _label(_LEFT + plot_w, bottom + 14, format_number(x1), "end"),
-    ]
+    for tick, label in zip(y_ticks, y_labels):
+        y = _TOP + (y1 - tick) / (y1 - y0) * plot_h
+        parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
+                     'stroke="currentColor" stroke-opacity="0.1"/>')
+        parts.append(_label(left - 4, y + 4, label, "end"))
+    for tick in _ticks(x0, x1):
+        parts.append(_label(sx(tick), bottom + 14, format_number(tick), "middle"))
     for label, colour, points in drawn:
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
         parts.append(
@@ -92,6 +109,25 @@ def _span(low: float, high: float) -> tuple[float, float]:
         return low, high
     pad = abs(low) * 0.1 or 1.0
     return low - pad, high + pad
+
+
+def _ticks(low: float, high: float) -> list[float]:
+    """Round values between ``low`` and ``high``, about _TICKS of them: steps of 1, 2 or 5 × 10^k."""
+    raw = (high - low) / _TICKS
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(low / step - 1e-9)
+    ticks = [(first + i) * step for i in range(int((high - low) / step + 1e-9) + 2)]
+    # Rounded to the step's own precision: 0.30000000000000004 is 0.3.
+    digits = max(0, -math.floor(math.log10(step)) + 1)
+    return [round(t, digits) for t in ticks if low - 1e-9 * step <= t <= high + 1e-9 * step]
+
+
+def _log_ticks(low: float, high: float) -> list[float]:
+    """Whole powers of ten (as exponents) between ``low`` and ``high``, thinned to about _TICKS + 1."""
+    exponents = list(range(math.floor(high), math.ceil(low) - 1, -1))  # from the top: 1 is kept
+    stride = max(1, math.ceil(len(exponents) / (_TICKS + 1)))
+    return sorted(float(e) for e in exponents[::stride]) or [low, high]
 
 
 def _label(x: float, y: float, text: str, anchor: str) -> str:

@@ -74,6 +74,8 @@ class TextDisplay:
                 + (f"; logs in {event.log_dir}" if event.log_dir else "")
             )
         elif isinstance(event, Progress):
+            if event.auto:
+                return  # a log of lines has no room for bars the user did not ask for
             if event.closed or self._due(("bar", event.rank, event.bar_id), _REDRAW_EVERY_S):
                 of = f"/{event.total:g}" if event.total else ""
                 self._print(f"[rank {event.rank}] {event.desc + ': ' if event.desc else ''}{event.n:g}{of}")
@@ -86,7 +88,8 @@ class TextDisplay:
             # One line: where the rank was; the whole stack of every thread is in its log.
             where = frames.where(event.text) or "(no stack)"
             log = f" (whole stack: {os.path.join(self._log_dir, f'rank{event.rank}.log')})" if self._log_dir else ""
-            self._print(f"[rank {event.rank}] stopped at {where}{log}", "stderr")
+            said = {"stop": "stopped at", "asked": "now at", "quiet": "quiet for a while, now at"}[event.why]
+            self._print(f"[rank {event.rank}] {said} {where}{log}", "stderr")
         elif isinstance(event, RankFinished):
             if event.state == RankState.FAILED:
                 self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")

@@ -39,7 +39,8 @@ import time
 from typing import Any
 
 from nblaunch.display import render
-from nblaunch.display.state import HEADER, MERGED_LOG, METRICS, RANKS, LaunchView, rank_log
+from nblaunch.display.summary import summary_html
+from nblaunch.display.state import HEADER, MERGED_LOG, METRICS, RANKS, STACKS, LaunchView, rank_log
 from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankStarted
 
 log = logging.getLogger(__name__)
@@ -106,20 +107,31 @@ class WidgetDisplay:
         self._timer: threading.Thread | None = None
         self._closed = False
 
-        self.header = w.HTML()
-        # Shown only for non-blocking launches: while a cell blocks, the kernel cannot hear a click.
+        self.header = w.HTML(layout=w.Layout(flex="1 1 auto"))
+        # Shown only for non-blocking launches: while a cell blocks, the kernel cannot hear a click
+        # (a blocking launch shows the stacks by itself when every rank goes quiet).
+        button = dict(display="none", width="auto", flex="0 0 auto", overflow="visible")
+        self.stacks_button = w.Button(
+            description="Stacks", icon="list", tooltip="show where every rank is now; the launch goes on",
+            layout=w.Layout(**button),
+        )
         self.stop_button = w.Button(
             description="Stop", icon="stop", button_style="danger", tooltip="show every rank's stack, then stop all ranks",
-            layout=w.Layout(display="none", width="auto"),
+            layout=w.Layout(**button),
         )
         self._on_stop: Any = None
+        self._on_stacks: Any = None
         self.stop_button.on_click(self._stop_clicked)
+        self.stacks_button.on_click(self._stacks_clicked)
         self.ranks = w.HTML()
-        self.metrics = w.HTML(layout=w.Layout(display="none"))  # no blank gap until a metric arrives
+        hidden = dict(display="none")  # no blank gap until there is something to show
+        self.metrics = w.HTML(layout=w.Layout(**hidden))
+        self.stacks = w.HTML(layout=w.Layout(**hidden))
         self.logs = w.Tab()
         self.log_panes: dict[str, Any] = {}  # "all" / rank -> HTML widget with that log tail
         self.widget = w.VBox(
-            [w.HBox([self.header, self.stop_button]), self.ranks, self.metrics, self.logs],
+            [w.HBox([self.header, self.stacks_button, self.stop_button], layout=w.Layout(align_items="flex-start")),
+             self.ranks, self.stacks, self.metrics, self.logs],
             layout=w.Layout(width="100%", padding="4px 0"),
         )
         self.widget.add_class("nblaunch-dashboard")
@@ -136,16 +148,23 @@ class WidgetDisplay:
             # holds no widget it cannot draw once the kernel is gone.
             self._summary_handle = display(_view_bundle(self.widget), raw=True, display_id=True)
 
-    def set_stop_handler(self, stop: Any) -> None:
-        """Show the Stop button; clicking it calls ``stop()`` (a non-blocking launch's cancel)."""
-        self._on_stop = stop
+    def set_stop_handler(self, stop: Any, stacks: Any = None) -> None:
+        """Show the Stop button, and the Stacks button when ``stacks`` is given; clicking them
+        calls ``stop()`` (a non-blocking launch's cancel) or ``stacks()`` (ask, do not stop)."""
+        self._on_stop, self._on_stacks = stop, stacks
         self.stop_button.layout.display = None
+        if stacks is not None:
+            self.stacks_button.layout.display = None
 
     def _stop_clicked(self, _button: Any) -> None:
-        self.stop_button.disabled = True
+        self.stop_button.disabled = self.stacks_button.disabled = True
         self.stop_button.description = "Stopping…"
         if self._on_stop is not None:
             self._on_stop()
+
+    def _stacks_clicked(self, _button: Any) -> None:
+        if self._on_stacks is not None:
+            self._on_stacks()
 
     # -- the Display protocol ----------------------------------------------------------------
 
@@ -216,20 +235,23 @@ class WidgetDisplay:
             ]
             if METRICS in parts and view.metrics:
                 values.append((self.metrics, render.metrics_html(view)))
+            if STACKS in parts:
+                values.append((self.stacks, render.stacks_html(view)))
             for key, pane in self.log_panes.items():
                 rank = None if key == "all" else int(key)
                 if (MERGED_LOG if rank is None else rank_log(rank)) in parts:
                     values.append((pane, render.log_html(view, rank)))
         for widget, value in values:
             widget.value = value
-        if self.metrics.value and self.metrics.layout.display == "none":
-            self.metrics.layout.display = None
+        for shown_when_filled in (self.metrics, self.stacks):
+            if shown_when_filled.value and shown_when_filled.layout.display == "none":
+                shown_when_filled.layout.display = None
 
     def _finish(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.stop_button.layout.display = "none"
+        self.stop_button.layout.display = self.stacks_button.layout.display = "none"
         self._stop.set()
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.join()
@@ -238,14 +260,14 @@ class WidgetDisplay:
         with self._lock:
             if self._view.plan is None:  # closed before anything was launched: nothing to record
                 return
-            self.summary_html = render.summary_html(self._view, now)
+            self.summary_html = summary_html(self._view, now)
         if self._summary_handle is not None:
             from IPython.display import HTML
 
             self._summary_handle.update(HTML(self.summary_html))
             # The view is gone from the cell: its models need not outlive it in the kernel.
             for widget in [self.widget, *self.widget.children, self.header, self.stop_button,
-                           *self.log_panes.values()]:
+                           self.stacks_button, *self.log_panes.values()]:
                 widget.close()
 
 

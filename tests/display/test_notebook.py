@@ -87,7 +87,8 @@ def test_the_dashboard_updated_while_the_launch_ran(executed):
     moving = {n for v in live for n, total in bars(v) if total and 0 < n < total}
     assert len(moving) >= 3, "the progress bars should have been seen moving"
     charts = [u["value"] for u in updates if 'class="nbl-metrics-panel"' in u.get("value", "")]
-    assert len(charts) >= 3 and chart_points(charts[0], "loss")["rank 0"] < 40
+    # The first chart may hold one rank's line only: whichever rank logged first.
+    assert len(charts) >= 3 and sum(chart_points(charts[0], "loss").values()) < 80
 
 
 @pytest.mark.slow
