@@ -10,6 +10,9 @@ Example::
         return accelerator.process_index
 
     notebook_launcher(train, num_processes=2)   # [0, 1]
+
+    ranks = WarmRanks(num_processes=2)          # or, in a notebook: %load_ext nblaunch, %%distributed
+    ranks.run(train)                            # [0, 1], on ranks that stay up for the next call
 """
 
 from nblaunch.launch.api import Launch, debug_launcher, notebook_launcher
@@ -22,6 +25,7 @@ from nblaunch.launch.errors import (
     LaunchInterrupted,
     RemoteError,
 )
+from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.progress import progress
 
 __version__ = "0.1.0"
@@ -35,6 +39,13 @@ _TRAINING_NAMES = {
     "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
     "DataLoaderDispatcher", "LocalSGD",
 }
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nblaunch``: the ``%%distributed`` cell magic (see nblaunch.warm.magic)."""
+    from nblaunch.warm.magic import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __getattr__(name: str):
@@ -68,6 +79,7 @@ __all__ = [
     "LocalSGD",
     "debug_launcher",
     "Launch",
+    "WarmRanks",
     "progress",
     "LaunchCancelledError",
     "LaunchInterrupted",

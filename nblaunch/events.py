@@ -95,6 +95,15 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class CallFinished:
+    """A warm rank finished one call (see nblaunch.warm) and sent back its value."""
+
+    rank: int
+    call_id: int
+    result: Any
+
+
+@dataclass(frozen=True)
 class Stacks:
     """Where every thread of a rank was when the launcher asked.
 
@@ -150,7 +159,7 @@ class LaunchFinished:
 
 Event = (
     LaunchStarted | RankStarted | Output | Progress | Metrics | Stacks | RankFinished | LaunchRestarting
-    | LaunchFinished
+    | LaunchFinished | CallFinished
 )
 
 

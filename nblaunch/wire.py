@@ -19,10 +19,13 @@ METRICS = b"M"  # pickled (values, step)
 PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed, auto)
 STACKS = b"S"  # utf-8 text: every thread's stack
 CLEANED = b"C"  # empty body: the process stopped everything it had started, and is leaving
+CALL_RESULT = b"A"  # warm ranks: pickled (call_id, return value of the call)
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)
 DUMP_STACKS = b"D"  # empty body: please answer with a STACKS frame
+CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
+CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
 # (SHARED_STORAGE, fd, size, dtype); the fd is inherited from the launcher. See nblaunch.launch.payload.

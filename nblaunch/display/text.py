@@ -69,8 +69,9 @@ class TextDisplay:
             self._log_dir = event.log_dir
             self._print(
                 f"nblaunch: {event.function_name} on {event.num_processes} "
-                f"process{'' if event.num_processes == 1 else 'es'} ({event.devices}), started by {event.start_method} "
-                f"({event.start_reason}), meeting at {event.rendezvous}"
+                f"process{'' if event.num_processes == 1 else 'es'} ({event.devices}), "
+                + ("on warm ranks" if event.start_method == "warm" else f"started by {event.start_method}")
+                + f" ({event.start_reason}), meeting at {event.rendezvous}"
                 + (f"; logs in {event.log_dir}" if event.log_dir else "")
             )
         elif isinstance(event, Progress):

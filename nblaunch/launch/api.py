@@ -11,6 +11,7 @@ from nblaunch.launch import ipython_errors, pickling
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.plan import LaunchPlan, make_plan
+from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.inherited import restore_accelerate_state, save_accelerate_state
 
 
@@ -31,6 +32,7 @@ def notebook_launcher(
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
     rdzv_backend: str = "static",
+    ranks: "WarmRanks | None" = None,
 ) -> list[Any] | "Launch":
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
@@ -55,6 +57,10 @@ def notebook_launcher(
             many times (each restart is shown in the cell). The ranks see torchrun's
             ``TORCHELASTIC_RESTART_COUNT`` and can resume from their checkpoint
             (``accelerator.load_state``). ``timeout`` covers all starts together.
+        ranks: a :class:`~nblaunch.WarmRanks` to run on: the call reuses its processes and
+            process group (milliseconds instead of a start), and what earlier calls left in
+            them. ``num_processes`` must then be None or its size; ``block=False``,
+            ``max_restarts`` and multi-node settings do not apply.
         monitor_interval, rdzv_backend: Accelerate's elastic-launch arguments, accepted for
             its callers; nblaunch watches its ranks without polling and knows every rank up
             front, so they change nothing ("static" or "c10d").
@@ -77,6 +83,8 @@ def notebook_launcher(
     __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
     if not isinstance(block, bool):
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
+    if ranks is not None:
+        return _run_on_warm_ranks(ranks, function, args, num_processes, block, max_restarts, num_nodes, timeout, display)
     plan = make_plan(
         function, args, num_processes, mixed_precision, use_port, master_addr,
         node_rank, num_nodes, start_method, timeout, display, force_cpu=False,
@@ -104,6 +112,22 @@ def notebook_launcher(
         set_stop_handler(launch.cancel, launch._ask_for_stacks)
     launch._start_in_background()
     return launch
+
+
+def _run_on_warm_ranks(ranks: WarmRanks, function: Callable, args: tuple, num_processes: Any, block: bool,
+                       max_restarts: int, num_nodes: int, timeout: float | None, display: Any) -> list[Any]:
+    __tracebackhide__ = True
+    if not isinstance(ranks, WarmRanks):
+        raise LaunchConfigError(f"ranks must be a WarmRanks, got {type(ranks).__name__}")
+    if num_processes is not None and num_processes != ranks.num_processes:
+        raise LaunchConfigError(f"num_processes={num_processes!r}, but the warm ranks are {ranks.num_processes}: "
+                                "leave num_processes out, or make a WarmRanks of that size")
+    if not block or max_restarts or num_nodes != 1:
+        raise LaunchConfigError("block=False, max_restarts and num_nodes do not apply to warm ranks: "
+                                "leave them out, or launch without ranks=")
+    if not isinstance(args, tuple):
+        raise LaunchConfigError(f"args must be a tuple, got {type(args).__name__}")
+    return ranks.run(function, *args, timeout=timeout, display=display)
 
 
 def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes: int = 2) -> list[Any]:

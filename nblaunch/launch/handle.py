@@ -57,6 +57,8 @@ class Launch:
         self._lock = threading.Lock()
         self._supervisor: Supervisor | None = None
         self._cancel_requested = False
+        self._cancel_as: BaseException | None = None
+        self.clock_start = time.monotonic()  # elapsed times count from here (a warm pool: from each call)
         self._rank_states: dict[int, RankState] = {}
         self._stacks_answered = threading.Condition()
         self._asked_stacks: dict[int, str] = {}
@@ -104,13 +106,26 @@ class Launch:
     def cancel(self) -> bool:
         """Show every rank's stack, stop every rank; ``result()`` then raises
         LaunchCancelledError. False if the launch had already finished."""
+        return self._cancel(None)
+
+    def _cancel(self, raising: BaseException | None) -> bool:
+        """``cancel()``, with ``raising`` instead of LaunchCancelledError (see Supervisor.cancel)."""
         with self._lock:
             if self._future.done():
                 return False
             self._cancel_requested = True
+            self._cancel_as = raising
             if self._supervisor is not None:
-                self._supervisor.cancel()
+                self._supervisor.cancel(raising)
         return True
+
+    def _send_to_ranks(self, kind: bytes, body: bytes = b"") -> bool:
+        """One frame to every live rank (a warm pool's calls); False when none runs."""
+        with self._lock:
+            if self._future.done() or self._supervisor is None:
+                return False
+            self._supervisor.send_to_ranks(kind, body)
+            return True
 
     def stacks(self, timeout: float = 5.0) -> dict[int, str]:
         """Where every running rank is now, ``{rank: stack}``, without stopping the launch.
@@ -194,7 +209,7 @@ class Launch:
 
     def _run(self) -> list[Any]:
         plan = self.plan
-        started = time.monotonic()
+        started = self.clock_start = time.monotonic()
         self._emit(
             LaunchStarted(
                 function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
@@ -216,7 +231,7 @@ class Launch:
                     root = error.root_cause
                     self._emit(LaunchRestarting(restart=plan.restart, max_restarts=plan.max_restarts,
                                                 failed_rank=root.rank, reason=root.reason.splitlines()[0]))
-            elapsed = time.monotonic() - started
+            elapsed = time.monotonic() - self.clock_start
             self._status = "done"
             restarted = f" after {plan.restart} restart{'s' if plan.restart != 1 else ''}" if plan.restart else ""
             self._emit(
@@ -228,7 +243,7 @@ class Launch:
             outcome = results
             return results
         except BaseException as error:
-            self._status, finished = _ending(error, time.monotonic() - started, plan)
+            self._status, finished = _ending(error, time.monotonic() - self.clock_start, plan)
             self._emit(finished)
             outcome = error
             raise
@@ -264,11 +279,12 @@ class Launch:
             with self._lock:
                 supervisor = self._supervisor = Supervisor(workers, self._emit, timeout)
                 if self._cancel_requested:
-                    supervisor.cancel()
+                    supervisor.cancel(self._cancel_as)
             try:
                 return supervisor.run()
             except LaunchTimeoutError as error:
-                raise LaunchTimeoutError(self._timeout, error.stacks) from None  # the user's figure
+                figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
+                raise LaunchTimeoutError(figure, error.stacks) from None
         except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
             raise

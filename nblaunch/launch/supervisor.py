@@ -15,11 +15,11 @@ import selectors
 import signal
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.events import (
+    CallFinished,
     Event,
     Metrics,
     Output,
@@ -39,9 +39,9 @@ from nblaunch.launch.errors import (
     failure_from_report,
 )
 from nblaunch.launch.diagnosis import explain_peer_left
-from nblaunch.launch.lines import LineSplitter
+from nblaunch.launch.watched import WatchedRank
 from nblaunch.launch.quiet import QUIET_STACKS_S, QuietWatch
-from nblaunch.launch.workers import RankPipes, WorkerProcess
+from nblaunch.launch.workers import WorkerProcess
 
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
@@ -52,28 +52,9 @@ _FULL_REPORT_S = 1.0  # a failed rank sends its traceback and exits within milli
 _REAP_BACKSTOP_S = 10.0
 _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arrive before the next read
 _COALESCE_BELOW = 64 * 1024
-_LOG_TAIL = 20
 _DRAIN_MAX_READS = 64  # after a rank's exit, what its pipes held: at most 64 MiB each
 
-_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"
-
-
-class _Rank:
-    """What the supervisor knows about one rank."""
-
-    def __init__(self, pipes: RankPipes, process: WorkerProcess):
-        self.pipes = pipes
-        self.process = process
-        self.number = pipes.rank
-        self.frames = wire.FrameReader()
-        self.splitters = {_FD_STDOUT: LineSplitter(), _FD_STDERR: LineSplitter()}
-        self.tail: deque[str] = deque(maxlen=_LOG_TAIL)
-        self.has_result = False
-        self.result: Any = None
-        self.failure: RankFailure | None = None
-        self.failed_at: float | None = None
-        self.report_complete = True  # False between a failure's first frame and its traceback
-        self.finished = False
+_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"  # as in WatchedRank
 
 
 class Supervisor:
@@ -83,13 +64,14 @@ class Supervisor:
         self._emit = emit
         self._timeout = timeout
         self._processes = processes
-        self._ranks = {pipes.rank: _Rank(pipes, process) for process in processes for pipes in process.ranks}
+        self._ranks = {pipes.rank: WatchedRank(pipes, process) for process in processes for pipes in process.ranks}
         self._selector = selectors.DefaultSelector()
         self._stacks: dict[int, str] = {}
         self._shown_failed: list[int] = []  # ranks in the order their failure was shown
         self._stopping = False
         self._output_trickle = False
         self._cancel_requested = False
+        self._cancel_as: BaseException | None = None  # what a cancel raises instead of LaunchCancelledError
         self._stacks_requested = False
         self._stacks_why = "stop"  # what the next STACKS frames answer
         self._quiet = QuietWatch(QUIET_STACKS_S, time.monotonic())
@@ -125,12 +107,12 @@ class Supervisor:
                     self._stop(_STACKS_ON_FAILURE_S, fallback=False)
                 elif not self._stopping and (self._stacks_requested or self._quiet.due(time.monotonic())):
                     self._ask_for_stacks("asked" if self._stacks_requested else "quiet")
-                elif deadline is not None and time.monotonic() >= deadline and not self._stopping:
+                elif not self._stopping and (self._cancel_requested or (deadline is not None and time.monotonic() >= deadline)):
+                    if not self._cancel_requested:
+                        self._cancel_as = LaunchTimeoutError(self._timeout, {})
                     self._stop(_STACKS_ON_STOP_S, fallback=True)
-                    raise LaunchTimeoutError(self._timeout, dict(self._stacks))
-                elif self._cancel_requested and not self._stopping:
-                    self._stop(_STACKS_ON_STOP_S, fallback=True)
-                    raise LaunchCancelledError("the launch was cancelled; every rank was stopped")
+                    error = self._cancel_as or LaunchCancelledError("the launch was cancelled; every rank was stopped")
+                    raise LaunchTimeoutError(error.timeout, dict(self._stacks)) if isinstance(error, LaunchTimeoutError) else error
         except KeyboardInterrupt:
             if not self._stopping:
                 self._stop(_STACKS_ON_STOP_S, fallback=True)
@@ -142,10 +124,17 @@ class Supervisor:
             raise self._failure_error(failures)
         return [self._ranks[r].result for r in sorted(self._ranks)]
 
-    def cancel(self) -> None:
-        """Stop the launch as an interrupt would (stacks, then stop). Safe from any thread."""
+    def cancel(self, raising: BaseException | None = None) -> None:
+        """Stop the launch as an interrupt would (stacks, then stop), then raise ``raising``
+        (LaunchCancelledError if None; a LaunchTimeoutError gets the stacks). Safe from any thread."""
+        self._cancel_as = raising
         self._cancel_requested = True
         self._wake()
+
+    def send_to_ranks(self, kind: bytes, body: bytes = b"") -> None:
+        """One frame to every live rank's control pipe (a warm pool's calls). Safe from any thread."""
+        for rank in self._live():
+            rank.pipes.send(kind, body)
 
     def request_stacks(self) -> None:
         """Ask every live rank where it is, without stopping anything; the answers come as
@@ -174,10 +163,10 @@ class Supervisor:
     def stacks(self) -> dict[int, str]:
         return dict(self._stacks)
 
-    def _live(self) -> list[_Rank]:
+    def _live(self) -> list[WatchedRank]:
         return [r for r in self._ranks.values() if not r.finished]
 
-    def _failures(self) -> list[_Rank]:
+    def _failures(self) -> list[WatchedRank]:
         return [r for r in self._ranks.values() if r.failure is not None]
 
     # ----------------------------------------------------------------------------- I/O
@@ -205,7 +194,7 @@ class Supervisor:
                 if process.exit_fd is None and process.poll() is not None:
                     self._on_exit(process)
 
-    def _read(self, rank: _Rank, kind: str, fd: int) -> bool:
+    def _read(self, rank: WatchedRank, kind: str, fd: int) -> bool:
         """Read one chunk; False at EOF or when nothing was there."""
         try:
             data = os.read(fd, _READ_SIZE)
@@ -227,7 +216,7 @@ class Supervisor:
                 self._output_trickle = True
         return True
 
-    def _emit_lines(self, rank: _Rank, stream: str, lines: list[str], transient: str | None) -> None:
+    def _emit_lines(self, rank: WatchedRank, stream: str, lines: list[str], transient: str | None) -> None:
         r = rank.number
         if lines:
             rank.tail.extend(lines)
@@ -235,22 +224,26 @@ class Supervisor:
         if transient is not None:
             self._emit(Output(rank=r, stream=stream, lines=(transient,), transient=True))
 
-    def _drain(self, rank: _Rank) -> None:
+    def _drain(self, rank: WatchedRank) -> None:
         """Read everything a dead rank left in its pipes (its result may be the last of it)."""
-        p = rank.pipes
-        for fd, kind in ((p.event_fd, _FD_EVENTS), (p.stdout_fd, _FD_STDOUT), (p.stderr_fd, _FD_STDERR)):
-            # Bounded: a helper the rank started may hold the pipe and never stop writing.
-            for _ in range(_DRAIN_MAX_READS):
-                if fd not in self._selector.get_map() or not self._read(rank, kind, fd):
-                    break
+        self._read_what_is_there(rank, (_FD_EVENTS, _FD_STDOUT, _FD_STDERR))
         for fd in list(self._selector.get_map()):
             if self._selector.get_key(fd).data[0] is rank:
                 self._selector.unregister(fd)
         for kind, splitter in rank.splitters.items():
             self._emit_lines(rank, kind, splitter.flush(), None)
 
+    def _read_what_is_there(self, rank: WatchedRank, kinds: tuple[str, ...]) -> None:
+        p = rank.pipes
+        fds = {_FD_EVENTS: p.event_fd, _FD_STDOUT: p.stdout_fd, _FD_STDERR: p.stderr_fd}
+        for kind in kinds:
+            # Bounded: a helper the rank started may hold the pipe and never stop writing.
+            for _ in range(_DRAIN_MAX_READS):
+                if fds[kind] not in self._selector.get_map() or not self._read(rank, kind, fds[kind]):
+                    break
+
     # ----------------------------------------------------------------------------- frames
-    def _on_frame(self, rank: _Rank, kind: bytes, body: bytes) -> None:
+    def _on_frame(self, rank: WatchedRank, kind: bytes, body: bytes) -> None:
         r = rank.number
         if kind == wire.RESULT:
             try:
@@ -276,10 +269,19 @@ class Supervisor:
         elif kind == wire.STACKS:
             self._stacks[r] = body.decode("utf-8", "replace")
             self._emit(Stacks(rank=r, text=self._stacks[r], why=self._stacks_why))
+        elif kind == wire.CALL_RESULT:
+            # The rank flushed its output before sending this: the call's last lines come first.
+            self._read_what_is_there(rank, (_FD_STDOUT, _FD_STDERR))
+            try:
+                call_id, value = pickle.loads(body)
+            except Exception as error:
+                self._fail(rank, RankFailure(r, f"its call's return value could not be unpickled here: {error!r}"))
+                return
+            self._emit(CallFinished(rank=r, call_id=call_id, result=value))
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
 
-    def _fail(self, rank: _Rank, failure: RankFailure, when: float | None = None) -> None:
+    def _fail(self, rank: WatchedRank, failure: RankFailure, when: float | None = None) -> None:
         if rank.failure is None:
             rank.failure = failure
             rank.failed_at = time.monotonic() if when is None else when
@@ -296,7 +298,7 @@ class Supervisor:
             rank.finished = True
             self._judge(rank, code)
 
-    def _judge(self, rank: _Rank, code: int) -> None:
+    def _judge(self, rank: WatchedRank, code: int) -> None:
         """Say how a rank ended, once its process has exited and its pipes are drained."""
         process = rank.process
         if rank.has_result and rank.failure is None:
@@ -370,7 +372,7 @@ class Supervisor:
             os.close(self._wake_write)
             self._wake_read = self._wake_write = -1
 
-    def _failure_error(self, failures: list[_Rank]) -> RankFailedError:
+    def _failure_error(self, failures: list[WatchedRank]) -> RankFailedError:
         # The root cause first: a rank's own error before errors that a dead peer caused, then
         # in the order the display showed them failing, so that what the user saw first is what
         # is blamed (ranks failing on the same line differ by a millisecond either way).

@@ -48,14 +48,26 @@ class RankPipes:
     event_fd: int
     control_fd: int
     payload_sender: threading.Thread | None = None  # spawned ranks: still writing the function
+    # Frames to the rank come from the supervisor (stack requests) and a warm pool's caller
+    # (calls): one writer at a time, so frames never interleave.
+    control_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def request_stacks(self) -> None:
         if self.payload_sender is not None and self.payload_sender.is_alive():
             return  # the control pipe is still carrying the payload; the rank has not started
+        self.send(wire.DUMP_STACKS)
+
+    def send(self, kind: bytes, body: bytes = b"") -> bool:
+        """One frame to the rank, after the spawn payload if that is still being written; False
+        if the rank is gone."""
+        if self.payload_sender is not None:
+            self.payload_sender.join()
         try:
-            os.write(self.control_fd, wire.encode(wire.DUMP_STACKS))
+            with self.control_lock:
+                wire.write_frame(self.control_fd, kind, body)
+            return True
         except OSError:
-            pass  # already gone
+            return False
 
 
 @dataclass

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 __all__ = ["GradientState"]
@@ -22,7 +23,7 @@ class GradientState:
     being processed; ``active_dataloader`` is the prepared DataLoader being iterated (innermost).
     """
 
-    __slots__ = ("num_steps", "sync_gradients", "step", "_loaders", "sync_with_dataloader")
+    __slots__ = ("num_steps", "sync_gradients", "step", "_loaders", "sync_with_dataloader", "__weakref__")
 
     def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True) -> None:
         self.num_steps = num_steps
@@ -30,6 +31,7 @@ class GradientState:
         self.step = 0  # micro-steps since the last sync
         self._loaders: list[Any] = []  # prepared DataLoaders being iterated, innermost last
         self.sync_with_dataloader = sync_with_dataloader
+        _alive.add(self)
 
     @staticmethod
     def _reset_state() -> None:
@@ -60,3 +62,16 @@ class GradientState:
     def __repr__(self) -> str:
         return (f"GradientState(num_steps={self.num_steps}, sync_gradients={self.sync_gradients}, "
                 f"end_of_dataloader={self.end_of_dataloader})")
+
+
+_alive: weakref.WeakSet[GradientState] = weakref.WeakSet()
+
+
+def forget_loop_state() -> None:
+    """Start every live Accelerator's bookkeeping afresh: no micro-steps counted towards the next
+    sync, no DataLoader being iterated. A warm rank does this before each call, so a call never
+    inherits half an accumulation window or a loop the previous call left."""
+    for state in list(_alive):
+        state.step = 0
+        state.sync_gradients = True
+        state._loaders.clear()

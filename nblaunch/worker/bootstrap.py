@@ -24,7 +24,7 @@ from typing import Any, Callable, NoReturn
 import cloudpickle
 
 from nblaunch import proctree, wire
-from nblaunch.worker import channel, lifeline, payload, reports
+from nblaunch.worker import calls, channel, lifeline, payload, reports
 from nblaunch.worker.inherited import forget_accelerate_state
 from nblaunch.worker.progress import install_tqdm_hook
 from nblaunch.worker.reports import RankGuard, describe, send_failure
@@ -86,22 +86,22 @@ def main_spawned(argv: list[str]) -> NoReturn:
             guard.step = reports.ATTACHING
             attach_streams(1, 2)
             guard.step = reports.LOADING
-            settings, data, buffers = payload.read(control_fd)
+            settings, data, buffers, control_reader, later = payload.read(control_fd)
             sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
             function, args = payload.load(data, buffers)
-            code = _run_rank(guard, settings, function, args, event_fd, control_fd)
+            code = _run_rank(guard, settings, function, args, event_fd, control_fd, (control_reader, later))
         os._exit(code)
     finally:
         os._exit(70)
 
 
 def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, args: tuple,
-              event_fd: int, control_fd: int) -> int:
+              event_fd: int, control_fd: int, control_read: tuple | None = None) -> int:
     """What forked and spawned ranks do alike once they can run: set up, serve, clean up."""
     guard.step = reports.SETTING_UP
     _set_up_rank(settings, event_fd)
     guard.step = reports.REPORTING
-    code = serve(function, args, control_fd, event_fd)
+    code = serve(function, args, control_fd, event_fd, control_read)
     leave_cleanly(event_fd)
     return code
 
@@ -139,14 +139,14 @@ def prepare_process() -> None:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
-def serve(function: Callable, args: tuple, control_fd: int, event_fd: int) -> int:
+def serve(function: Callable, args: tuple, control_fd: int, event_fd: int, control_read: tuple | None = None) -> int:
     """Run one rank's function and send back its result or failure; returns an exit code.
 
     The channel must already point at ``event_fd`` for the calling thread.
     """
     # A bare thread: threading.Thread.start() waits until the new thread runs, which on busy
     # cores is a millisecond of every launch spent before the user's function starts.
-    _thread.start_new_thread(_watch_launcher, (control_fd, event_fd))
+    _thread.start_new_thread(_watch_launcher, (control_fd, event_fd, *(control_read or ())))
     try:
         result = function(*args)
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result
@@ -174,19 +174,28 @@ def _send_result(result: Any) -> None:
     channel.send(wire.RESULT, body)
 
 
-def _watch_launcher(control_fd: int, event_fd: int) -> None:
-    """Answer stack-dump requests; exit when the launcher's end of the pipe closes."""
-    reader = wire.FrameReader()
+def _watch_launcher(control_fd: int, event_fd: int, reader: wire.FrameReader | None = None,
+                    frames: list | None = None) -> None:
+    """Answer stack-dump requests, pass calls on to a warm rank's loop; exit when the
+    launcher's end of the pipe closes. ``reader``/``frames``: where reading the spawn payload
+    left off."""
+    reader = reader or wire.FrameReader()
+    frames = list(frames or ())
     while True:
-        try:
-            chunk = os.read(control_fd, 4096)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            os._exit(1)  # the launcher is gone; on Linux PR_SET_PDEATHSIG has usually acted first
-        for kind, _ in reader.feed(chunk):
+        if not frames:
+            try:
+                chunk = os.read(control_fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                os._exit(1)  # the launcher is gone; on Linux PR_SET_PDEATHSIG has usually acted first
+            frames = reader.feed(chunk)
+        for kind, body in frames:
             if kind == wire.DUMP_STACKS:
                 channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
+            elif kind in (wire.CALL, wire.CLOSE):
+                calls.deliver(kind, body)
+        frames = []
 
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -53,20 +53,23 @@ def load(data: bytes, buffers: list[tuple[int, int]]) -> tuple[Callable, tuple]:
                 pass
 
 
-def read(control_fd: int) -> tuple[Any, bytes, list[tuple[int, int]]]:
-    """``(settings, pickle, buffers)`` from the control pipe; exits if the launcher is gone."""
+def read(control_fd: int) -> tuple[Any, bytes, list[tuple[int, int]], wire.FrameReader, list]:
+    """``(settings, pickle, buffers, reader, later)`` from the control pipe; exits if the
+    launcher is gone. ``reader`` and ``later`` (frames read past the payload, such as a warm
+    rank's first call) are the watch thread's to go on with."""
     reader = wire.FrameReader()
     head: tuple | None = None
     while True:
         chunk = os.read(control_fd, 1 << 20)
         if not chunk:
             _launcher_gone()
-        for kind, body in reader.feed(chunk):
+        frames = reader.feed(chunk)
+        for index, (kind, body) in enumerate(frames):
             if kind == wire.SPAWN_SETTINGS:
                 head = pickle.loads(body)
             elif kind == wire.PAYLOAD and head is not None:
                 settings, buffers = head
-                return settings, body, buffers
+                return settings, body, buffers, reader, frames[index + 1:]
 
 
 def _launcher_gone() -> NoReturn:

@@ -1,0 +1,1 @@
+"""Warm ranks: processes and a process group that outlive a call (``WarmRanks``, ``%%distributed``)."""

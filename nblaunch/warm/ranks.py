@@ -1,0 +1,220 @@
+"""``WarmRanks``: start the ranks once, then run functions on them in milliseconds.
+
+The pool is a launch like any other (same plan, lifelines, logs, stacks, teardown); the
+function its ranks run is a loop that serves calls (``nblaunch.worker.calls``). A call goes to
+every rank as one frame on its control pipe and comes back as one ``CALL_RESULT`` per rank.
+Success keeps the processes, their process group and whatever the functions stored in them. A
+failure, an interrupt or a timeout ends the pool exactly as it ends a launch (stacks, every rank
+stopped and reaped); the next call starts a fresh pool and says so in one line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import pickle
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import cloudpickle
+
+from nblaunch import wire
+from nblaunch.display import make_display
+from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
+from nblaunch.launch import ipython_errors, pickling
+from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
+from nblaunch.launch.handle import Launch, _unfinished
+from nblaunch.launch.plan import make_plan
+from nblaunch.warm.calls import CallRouter, CallTimedOut
+from nblaunch.worker.calls import serve_calls
+
+_CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
+
+
+class WarmRanks:
+    """Ranks that stay up between calls, keeping their process group and what they hold.
+
+    Args:
+        num_processes, mixed_precision, use_port, start_method: as for ``notebook_launcher``.
+        display: how each call shows itself ("auto", "widget", "text", "none"); ``run`` can
+            choose per call.
+
+    Example::
+
+        >>> ranks = WarmRanks(num_processes=2, display="none")
+        >>> ranks.run(lambda: __import__("os").environ["RANK"])
+        ['0', '1']
+        >>> ranks.close()
+    """
+
+    def __init__(self, num_processes: int | None = None, mixed_precision: str = "no", *,
+                 use_port: int | str | None = None, start_method: str | None = None,
+                 display: str | Display = "auto") -> None:
+        self._options = dict(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
+                             start_method=start_method)
+        self._display = display
+        self._plan = self._make_plan()  # bad input is refused here, before anything starts
+        if self._plan.start_method == "xla":
+            raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
+                                    "processes); use notebook_launcher, which starts them per call")
+        self._launch: Launch | None = None
+        self._router: CallRouter | None = None
+        self._ids = itertools.count(1)
+        self._one_call = threading.Lock()
+        self._ended_with: str | None = None  # why the last pool ended, said once by the next call
+        self._closed = False
+        _pools.add(self)
+
+    # -- the pool ------------------------------------------------------------------------
+
+    @property
+    def num_processes(self) -> int:
+        return self._plan.num_processes
+
+    @property
+    def alive(self) -> bool:
+        """True while the ranks are up (False before the first call and after a failure)."""
+        return self._launch is not None and not self._launch.done()
+
+    def run(self, function: Callable[..., Any], *args: Any, timeout: float | None = None,
+            display: str | Display | None = None) -> list[Any]:
+        """Run ``function(*args)`` on every rank; return ``[result of rank 0, rank 1, ...]``.
+
+        Raises what a launch raises (RankFailedError, LaunchTimeoutError, LaunchInterrupted);
+        the ranks are then gone, and the next call starts fresh ones.
+        """
+        __tracebackhide__ = True
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+            raise LaunchConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if self._closed:
+            raise LaunchConfigError("these warm ranks were closed; make a new WarmRanks to run more")
+        ipython_errors.install()
+        with self._one_call:
+            call_id = next(self._ids)
+            body = _call_body(call_id, function, args)  # refused here, before anything is sent
+            try:
+                return self._call(function, call_id, body, timeout, self._display if display is None else display)
+            except BaseException as error:
+                raise error.with_traceback(None)
+
+    def close(self) -> None:
+        """Let the ranks leave (their process group goes with them). Safe to call twice."""
+        self._closed = True
+        launch, self._launch = self._launch, None
+        if launch is None or launch.done():
+            return
+        launch._send_to_ranks(wire.CLOSE)
+        try:
+            launch.result(timeout=_CLOSE_S)
+        except BaseException:
+            launch._cancel(None)
+
+    def __enter__(self) -> "WarmRanks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "up" if self.alive else "closed" if self._closed else "not started" if self._launch is None else "ended"
+        return f"<WarmRanks: {self.num_processes} processes, {state}>"
+
+    # -- one call ------------------------------------------------------------------------
+
+    def _call(self, function: Callable, call_id: int, body: bytes, timeout: float | None,
+              display: str | Display) -> list[Any]:
+        launch, router = self._ensure_started()
+        call = router.begin(call_id, self.num_processes)
+        shown = make_display(display, self.num_processes)  # on the cell's thread: shows in this cell
+        try:
+            launch.clock_start = started = time.monotonic()
+            start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
+            if router.calls_before:  # the ranks were not started for this call: say what they are
+                start = dataclasses.replace(start, start_method="warm", start_reason=(
+                    f"up since {router.up_since}, {router.calls_before} earlier "
+                    f"call{'s' if router.calls_before != 1 else ''}; started by {router.started.start_method}"))
+            shown.on_event(start)
+            for rank, pid in sorted(router.pids.items()):
+                shown.on_event(RankStarted(rank=rank, pid=pid))
+            launch._send_to_ranks(wire.CALL, body)
+            self._pump(call, shown, launch, None if timeout is None else started + timeout, timeout)
+            if call.ended is not None:
+                self._ended_with = call.ended.summary
+                launch.result(timeout=_CLOSE_S)  # raises the pool's error
+                raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
+            elapsed = time.monotonic() - started
+            results = [call.results[r] for r in range(self.num_processes)]
+            for rank in range(self.num_processes):
+                shown.on_event(RankFinished(rank=rank, state=RankState.DONE, exitcode=0))
+            shown.on_event(LaunchFinished(RankState.DONE, elapsed, results=results,
+                                          summary=f"all {self.num_processes} ranks done in {elapsed:.3f} s (warm)"))
+            return results
+        finally:
+            router.end(call)
+            shown.close()
+
+    def _pump(self, call: Any, shown: Display, launch: Launch, deadline: float | None, timeout: float | None) -> None:
+        """Show the call's events until it is over; a timeout or an interrupt stops the pool."""
+        try:
+            for event in call.events(deadline):
+                shown.on_event(event)
+        except CallTimedOut:
+            launch._cancel(LaunchTimeoutError(timeout or 0.0, {}))
+            for event in call.events(None):
+                shown.on_event(event)
+        except KeyboardInterrupt:
+            launch._cancel(LaunchInterrupted("every rank was stopped; where each one was is shown above"))
+            for event in call.events(None):
+                shown.on_event(event)
+
+    def _ensure_started(self) -> tuple[Launch, CallRouter]:
+        if self.alive:
+            assert self._launch is not None and self._router is not None
+            return self._launch, self._router
+        if self._ended_with is not None:
+            print(f"nblaunch: the warm ranks had ended ({self._ended_with}); starting "
+                  f"{self.num_processes} fresh ones: what the old ones held is gone", file=sys.stderr)
+            self._ended_with = None
+            self._plan = self._make_plan()  # a fresh port
+        router = CallRouter(self.num_processes)
+        launch = Launch(self._plan, serve_calls, (), None, router)
+        launch._start_in_background()
+        _unfinished.discard(launch)  # warm ranks are closed quietly at exit, see _close_all
+        self._launch, self._router = launch, router
+        try:
+            router.ranks_up.wait()
+        except BaseException:  # interrupted while the ranks start: they must not linger
+            launch._cancel(None)
+            raise
+        return launch, router
+
+    def _make_plan(self) -> Any:
+        o = self._options
+        return make_plan(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"], "127.0.0.1",
+                         0, 1, o["start_method"], None, "none", force_cpu=False)
+
+
+def _call_body(call_id: int, function: Callable, args: tuple) -> bytes:
+    if not callable(function):
+        raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
+    try:
+        return cloudpickle.dumps((call_id, function, args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pickling.check_picklable(function, args)  # names the culprit
+        raise
+
+
+_pools: "weakref.WeakSet[WarmRanks]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_pools):
+        try:
+            pool.close()
+        except BaseException:
+            pass

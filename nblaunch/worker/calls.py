@@ -1,0 +1,88 @@
+"""A warm rank: it serves calls from the launcher until the launcher closes it.
+
+The launcher starts warm ranks as a launch whose function is :func:`serve_calls`. The rank's
+watch thread (which also answers stack requests) hands each ``CALL`` frame from the control pipe
+to this module's queue; the main thread runs the call, flushes its output (so every line of a
+call is in the pipe before its result), and sends ``CALL_RESULT``. An exception in a call is
+not caught here: the rank fails the way a launch's rank fails, and the launcher stops them all.
+``CLOSE`` ends the loop; the rank then leaves like any finished rank.
+
+Every call starts with a clean training state: the process group stays, user objects stay
+(in the namespace of :func:`run_code` and in whatever the functions keep), but an interrupted
+loop's bookkeeping (the active DataLoader, accumulation counters) does not carry over.
+
+Example (what ``WarmRanks.run(f, 3)`` makes a rank do)::
+
+    deliver(wire.CALL, cloudpickle.dumps((1, f, (3,))))  # from the watch thread
+    serve_calls()  # runs f(3), sends (1, result); returns on CLOSE
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import pickle
+import queue
+from typing import Any
+
+import cloudpickle
+
+from nblaunch import wire
+from nblaunch.worker import channel
+from nblaunch.worker.streams import flush_streams
+
+_inbox: queue.SimpleQueue = queue.SimpleQueue()
+namespace: dict[str, Any] = {"__name__": "__main__"}  # what ``%%distributed`` cells define, per rank
+
+
+def deliver(kind: bytes, body: bytes) -> None:
+    """Called by the watch thread for each CALL or CLOSE frame."""
+    _inbox.put((kind, body))
+
+
+def serve_calls() -> None:
+    """The function a warm rank runs: calls, one at a time, until CLOSE."""
+    while True:
+        kind, body = _inbox.get()
+        if kind == wire.CLOSE:
+            return None
+        call_id, function, args = cloudpickle.loads(body)
+        _clean_training_state()
+        result = function(*args)
+        flush_streams()
+        channel.send(wire.CALL_RESULT, _reply(call_id, result))
+
+
+def _reply(call_id: int, result: Any) -> bytes:
+    try:
+        return pickle.dumps((call_id, result), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # classes and lambdas defined in a notebook need pickling by value
+        pass
+    try:
+        return cloudpickle.dumps((call_id, result), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:
+        raise TypeError(f"the call returned a {type(result).__name__} that cannot be sent back: {error}") from error
+
+
+def run_code(source: str, sent: dict[str, Any], filename: str = "<distributed cell>") -> Any:
+    """Run a cell's code in this rank's namespace and return its last expression's value (or None).
+
+    ``sent`` holds what the cell uses from the notebook (the magic leaves out names the ranks'
+    own cells defined). The source is registered with linecache, so a traceback shows its lines.
+    """
+    namespace.update(sent)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename=filename)
+    last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    if last is not None:
+        tree.body.pop()
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+
+
+def _clean_training_state() -> None:
+    from nblaunch.training.gradient_state import forget_loop_state
+
+    forget_loop_state()

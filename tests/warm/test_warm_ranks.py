@@ -1,0 +1,174 @@
+"""WarmRanks with real processes and a real gloo group: state kept, calls fast, failures end the pool."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from nblaunch import RankFailedError
+from nblaunch.events import Stacks
+from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
+from nblaunch.warm.ranks import WarmRanks
+
+KEPT: dict = {}  # in each rank: what earlier calls stored
+
+
+def join_group() -> int:
+    dist.init_process_group("gloo")
+    KEPT["weights"] = torch.full((3,), float(dist.get_rank() + 1))
+    return os.getpid()
+
+
+def reduce_kept() -> list:
+    total = KEPT["weights"].clone()
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def say(word: str) -> None:
+    print(f"{word} from rank {dist.get_rank()}", flush=True)
+
+
+@pytest.fixture
+def ranks():
+    pool = WarmRanks(num_processes=2, display="none")
+    yield pool
+    pool.close()
+
+
+def test_state_and_the_process_group_live_on_between_calls(ranks, recorder):
+    pids = ranks.run(join_group)
+    assert ranks.alive and len(set(pids)) == 2
+    assert ranks.run(reduce_kept) == [[3.0, 3.0, 3.0]] * 2  # the group and the tensors of the first call
+    assert ranks.run(pid) == pids  # the same processes
+    ranks.run(say, "hello", display=recorder)
+    assert recorder.lines(0) == ["hello from rank 0"] and recorder.lines(1) == ["hello from rank 1"]
+
+
+def test_each_call_shows_only_its_own_output(ranks, recorder):
+    ranks.run(join_group)
+    first, second = recorder, type(recorder)()
+    ranks.run(say, "one", display=first)
+    ranks.run(say, "two", display=second)
+    assert first.lines(1) == ["one from rank 1"] and second.lines(1) == ["two from rank 1"]
+
+
+def fails_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("bad shape on rank 1")
+    time.sleep(30)
+
+
+def test_a_failure_ends_the_pool_and_the_next_call_starts_a_fresh_one(ranks, capfd):
+    old = ranks.run(join_group)
+    with pytest.raises(RankFailedError) as caught:
+        ranks.run(fails_on_rank_1)
+    assert caught.value.root_cause.rank == 1 and "bad shape on rank 1" in str(caught.value)
+    assert not ranks.alive
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in old)
+    capfd.readouterr()
+    new = ranks.run(join_group)
+    assert set(new).isdisjoint(old)
+    said = capfd.readouterr().err
+    assert said.count("nblaunch: the warm ranks had ended") == 1 and "starting 2 fresh ones" in said
+
+
+def sleeps_in_a_call(flag: str) -> None:
+    open(f"{flag}.{dist.get_rank()}", "w").close()
+    time.sleep(60)
+
+
+def test_a_timeout_shows_every_stack_and_ends_the_pool(ranks, recorder, tmp_path):
+    ranks.run(join_group)
+    begin = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        ranks.run(sleeps_in_a_call, str(tmp_path / "f"), timeout=1.0, display=recorder)
+    assert time.monotonic() - begin < 15
+    assert sorted(caught.value.stacks) == [0, 1]
+    assert all("in sleeps_in_a_call" in s for s in caught.value.stacks.values())
+    assert {e.rank for e in recorder.of(Stacks) if e.why == "stop"} == {0, 1}
+    assert not ranks.alive
+    assert ranks.run(pid)  # a fresh pool
+
+
+def test_an_interrupt_stops_every_rank_and_the_next_call_works(ranks, tmp_path):
+    ranks.run(join_group)
+    flag = tmp_path / "started"
+
+    def interrupt_once_both_sleep():
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{flag}.{r}") for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_both_sleep, daemon=True).start()
+    with pytest.raises(LaunchInterrupted):
+        ranks.run(sleeps_in_a_call, str(flag))
+    assert not ranks.alive
+    assert len(ranks.run(pid)) == 2
+
+
+def accumulates_one_micro_step() -> tuple:
+    from nblaunch.training import Accelerator
+
+    accelerator = KEPT.setdefault("accelerator", Accelerator(gradient_accumulation_steps=4))
+    model = KEPT.setdefault("model", accelerator.prepare(torch.nn.Linear(2, 1)))
+    before = (accelerator.gradient_state.step, accelerator.sync_gradients)
+    with accelerator.accumulate(model):
+        model(torch.ones(1, 2)).sum().backward()
+    return before
+
+
+def test_each_call_starts_with_a_clean_training_state(ranks):
+    ranks.run(join_group)
+    assert ranks.run(accumulates_one_micro_step) == [(0, True)] * 2
+    # The accelerator and model stay, but the second call does not inherit a half-done window.
+    assert ranks.run(accumulates_one_micro_step) == [(0, True)] * 2
+
+
+def test_two_hundred_calls_leave_no_growth_of_fds_threads_or_memory(ranks):
+    ranks.run(join_group)
+    for _ in range(20):
+        ranks.run(reduce_kept)
+    workers = [psutil.Process(p) for p in ranks.run(pid)]
+    here = psutil.Process()
+    before = (here.num_fds(), threading.active_count(), [w.memory_info().rss for w in workers])
+    begin = time.perf_counter()
+    for _ in range(200):
+        ranks.run(reduce_kept)
+    per_call = (time.perf_counter() - begin) / 200
+    after = (here.num_fds(), threading.active_count(), [w.memory_info().rss for w in workers])
+    assert after[0] == before[0] and after[1] == before[1]
+    assert all(b - a < 4 * 2**20 for a, b in zip(before[2], after[2])), (before[2], after[2])
+    assert per_call < 0.5  # a backstop only; the benchmark measures speed
+
+
+def test_spawned_warm_ranks_keep_state_too():
+    with WarmRanks(num_processes=2, start_method="spawn", display="none") as pool:
+        pool.run(join_group)
+        assert pool.run(reduce_kept) == [[3.0, 3.0, 3.0]] * 2
+    assert not pool.alive
+    with pytest.raises(LaunchConfigError, match="closed"):
+        pool.run(pid)
+
+
+def test_bad_input_is_refused_before_anything_starts():
+    with pytest.raises(LaunchConfigError):
+        WarmRanks(num_processes=0)
+    pool = WarmRanks(num_processes=2, display="none")
+    with pytest.raises(LaunchConfigError, match="timeout"):
+        pool.run(pid, timeout=-1)
+    with pytest.raises(LaunchConfigError, match="function"):
+        pool.run(42)
+    assert not pool.alive and repr(pool) == "<WarmRanks: 2 processes, not started>"
