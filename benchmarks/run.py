@@ -31,6 +31,7 @@ MEASUREMENTS = {
     "memory": ("benchmarks.m_memory:run", "4. Memory: a tensor data set in the parent, 2 workers read their halves", 240),
     "failure": ("benchmarks.m_failure:run", "5. Failure teardown", 240),
     "output": ("benchmarks.m_output:run", "6. Output: many lines per rank", 180),
+    "warm": ("benchmarks.m_warm:run", "7. Warm ranks: a call on ranks kept up, against starting them per call", 240),
 }
 
 

@@ -320,3 +320,35 @@ def chatty(lines: int, discard: bool) -> int:
         print(f"rank {rank} line {i} of the output benchmark, some words to make it typical")
     sys.stdout.flush()
     return lines
+
+
+# ----------------------------------------------------------------------------- 7. warm ranks
+def all_reduce_once() -> float:
+    """The warm call: one all_reduce on the group earlier calls made."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    return float(tensor[0])
+
+
+def group_and_all_reduce() -> float:
+    """The same work for a launcher that starts ranks per call: rendezvous, one all_reduce, leave."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    dist.destroy_process_group()
+    return float(tensor[0])
+
+
+def rss_mb_after_all_reduce() -> float:
+    """This rank's resident memory, in MB, once it has done one all_reduce in a group."""
+    all_reduce_once()
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

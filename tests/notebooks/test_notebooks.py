@@ -394,3 +394,20 @@ def test_binder_requirements_build_an_environment_that_runs_the_quickstart(tmp_p
     printed = stream(cell(nb, 'accuracy = results[0]["test_accuracy"]'))
     assert float(re.search(r"test accuracy ([\d.]+)%", printed).group(1)) > 90, printed
     assert rank_states(summary(cell(nb, "results = notebook_launcher(train"))) == {0: "done", 1: "done"}
+
+
+# --------------------------------------------------------------------------- 05_interactive
+@pytest.fixture(scope="module")
+def interactive(tmp_path_factory):
+    return execute("05_interactive.ipynb", tmp_path_factory.mktemp("interactive"))
+
+
+def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive):
+    assert not [o for c in interactive.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    result = stream(cell(interactive, "accuracies = _"))
+    accuracy = float(result.split("test accuracy ")[1].split("%")[0]) / 100
+    assert accuracy > 0.9, result
+    assert "<WarmRanks: 2 processes, up>" in str(cell(interactive, "%distributed status").outputs)
+    # the second training cell went on from the first: epochs 3 and 4 on the same model
+    later = str(cell(interactive, 'group["lr"] = 5e-4').outputs)
+    assert "epoch 3: loss" in later and "epoch 4: loss" in later

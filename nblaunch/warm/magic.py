@@ -1,0 +1,151 @@
+"""``%%distributed``: a cell runs on every rank of a warm pool, in a namespace each rank keeps.
+
+``%load_ext nblaunch`` registers it. The first ``%%distributed`` cell starts the pool (``-n`` with
+another size, or ``--spawn``, starts a new one); later cells run on the same ranks, with the
+same process group and everything earlier cells defined there. Names a cell uses from the
+notebook (functions, small data, modules) are sent along, unless a rank defined them itself
+in an earlier cell. The cell's value is its last expression, one per rank.
+
+Example::
+
+    %load_ext nblaunch
+
+    %%distributed -n 2
+    from nblaunch import Accelerator
+    accelerator = Accelerator()
+    accelerator.process_index        # -> [0, 1]
+
+    %distributed status
+    %distributed stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import shlex
+from typing import Any
+
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.warm.ranks import WarmRanks
+from nblaunch.worker.calls import run_code
+
+# The notebook's own machinery: never sent to the ranks.
+_NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
+
+
+def cell_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="%%distributed", add_help=False, exit_on_error=False)
+    parser.add_argument("-n", "--num-processes", type=int, default=None)
+    parser.add_argument("--spawn", action="store_true")
+    parser.add_argument("--timeout", type=float, default=None)
+    return parser
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """``%%distributed`` and ``%distributed status|stop``."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.pool: WarmRanks | None = None
+        self._spawn = False
+        self._defined_in_ranks: set[str] = set()  # names the ranks' cells assigned
+        self._cells = 0
+
+    @line_cell_magic
+    def distributed(self, line: str, cell: str | None = None) -> Any:
+        __tracebackhide__ = True
+        if cell is None:
+            return self._command(line.strip())
+        try:
+            options = cell_parser().parse_args(shlex.split(line))
+        except (argparse.ArgumentError, SystemExit, ValueError) as error:
+            raise LaunchConfigError(f"%%distributed [-n N] [--spawn] [--timeout S]: {error}") from None
+        filename = f"<distributed cell {self._cells + 1}>"
+        compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
+        pool = self._pool_for(options.num_processes, options.spawn)
+        self._cells += 1
+        sent = self._names_to_send(cell)
+        results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
+        self._defined_in_ranks |= assigned_names(cell)
+        return None if all(r is None for r in results) else results
+
+    def _pool_for(self, num_processes: int | None, spawn: bool) -> WarmRanks:
+        pool = self.pool
+        wanted = num_processes if num_processes is not None else (pool.num_processes if pool else None)
+        if pool is not None and (wanted != pool.num_processes or spawn != self._spawn):
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = self.pool = WarmRanks(num_processes=wanted, start_method="spawn" if spawn else None)
+            self._spawn = spawn
+            self._defined_in_ranks = set()
+        elif not pool.alive:
+            self._defined_in_ranks = set()  # a fresh pool knows nothing of the old one's names
+        return pool
+
+    def _names_to_send(self, cell: str) -> dict[str, Any]:
+        user = self.shell.user_ns
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        sent = {}
+        for name in used_names(cell):
+            if name in self._defined_in_ranks or name in _NOT_SENT or name in hidden or name not in user:
+                continue
+            if hasattr(builtins, name) and getattr(builtins, name) is user[name]:
+                continue
+            sent[name] = user[name]
+        return sent
+
+    def _command(self, command: str) -> str | None:
+        if command == "status":
+            return repr(self.pool) if self.pool is not None else "no warm ranks yet: the first %%distributed cell starts them"
+        if command == "stop":
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            return None
+        raise LaunchConfigError(f"%distributed {command}: use '%distributed status' or '%distributed stop', "
+                                "or %%distributed as a cell magic")
+
+
+def used_names(source: str) -> set[str]:
+    """Every name the code reads (a syntax error is left for the ranks to report)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+
+
+def assigned_names(source: str) -> set[str]:
+    """Names the code binds in the rank's namespace: top-level assignments, defs, classes,
+    imports, loop and with targets; not the names local to a function or class body."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            return  # its body is a scope of its own
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(DistributedMagics(ipython))
