@@ -172,3 +172,29 @@ def test_bad_input_is_refused_before_anything_starts():
     with pytest.raises(LaunchConfigError, match="function"):
         pool.run(42)
     assert not pool.alive and repr(pool) == "<WarmRanks: 2 processes, not started>"
+
+
+def new_accelerator_each_call() -> float:
+    from nblaunch.training import Accelerator
+
+    accelerator = Accelerator()
+    total = torch.ones(1) * (accelerator.process_index + 1)
+    return float(accelerator.reduce(total, "sum").item())
+
+
+def test_a_new_accelerator_in_every_call_works_on_the_kept_group(ranks):
+    assert ranks.run(new_accelerator_each_call) == [3.0, 3.0]
+    assert ranks.run(new_accelerator_each_call) == [3.0, 3.0]
+
+
+def test_notebook_launcher_runs_on_warm_ranks_when_given_them(ranks):
+    from nblaunch import notebook_launcher
+
+    pids = notebook_launcher(join_group, ranks=ranks)
+    assert notebook_launcher(pid, ranks=ranks, display="none") == pids
+    with pytest.raises(LaunchConfigError, match="num_processes=3"):
+        notebook_launcher(pid, num_processes=3, ranks=ranks)
+    with pytest.raises(LaunchConfigError, match="block=False"):
+        notebook_launcher(pid, ranks=ranks, block=False)
+    with pytest.raises(LaunchConfigError, match="WarmRanks"):
+        notebook_launcher(pid, ranks="warm")
