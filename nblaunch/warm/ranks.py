@@ -121,7 +121,8 @@ class WarmRanks:
 
     def __repr__(self) -> str:
         state = "up" if self.alive else "closed" if self._closed else "not started" if self._launch is None else "ended"
-        return f"<WarmRanks: {self.num_processes} processes, {state}>"
+        n = self.num_processes
+        return f"<WarmRanks: {n} process{'es' if n != 1 else ''}, {state}>"
 
     # -- one call ------------------------------------------------------------------------
 

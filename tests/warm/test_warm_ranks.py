@@ -198,3 +198,10 @@ def test_notebook_launcher_runs_on_warm_ranks_when_given_them(ranks):
         notebook_launcher(pid, ranks=ranks, block=False)
     with pytest.raises(LaunchConfigError, match="WarmRanks"):
         notebook_launcher(pid, ranks="warm")
+
+
+def test_a_one_rank_pool_works_and_reads_right():
+    with WarmRanks(num_processes=1, display="none") as pool:
+        first = pool.run(pid)
+        assert pool.run(pid) == first and repr(pool) == "<WarmRanks: 1 process, up>"
+    assert repr(pool) == "<WarmRanks: 1 process, closed>"
