@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import pickle
 import signal
 import sys
 import _thread
@@ -20,8 +19,6 @@ import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
-
-import cloudpickle
 
 from nblaunch import proctree, wire
 from nblaunch.worker import calls, channel, lifeline, payload, reports
@@ -167,11 +164,7 @@ def serve(function: Callable, args: tuple, control_fd: int, event_fd: int, contr
 
 
 def _send_result(result: Any) -> None:
-    try:
-        body = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # classes and lambdas defined in a notebook need pickling by value
-        body = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    channel.send(wire.RESULT, body)
+    channel.send(wire.RESULT, channel.pickle_value(result))
 
 
 def _watch_launcher(control_fd: int, event_fd: int, reader: wire.FrameReader | None = None,

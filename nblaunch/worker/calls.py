@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import linecache
-import pickle
 import queue
 from typing import Any
 
@@ -55,11 +54,7 @@ def serve_calls() -> None:
 
 def _reply(call_id: int, result: Any) -> bytes:
     try:
-        return pickle.dumps((call_id, result), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # classes and lambdas defined in a notebook need pickling by value
-        pass
-    try:
-        return cloudpickle.dumps((call_id, result), protocol=pickle.HIGHEST_PROTOCOL)
+        return channel.pickle_value((call_id, result))
     except Exception as error:
         raise TypeError(f"the call returned a {type(result).__name__} that cannot be sent back: {error}") from error
 

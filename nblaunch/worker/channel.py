@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import pickle
 import threading
+from typing import Any
+
+import cloudpickle
 
 from nblaunch import wire
 
@@ -72,6 +75,15 @@ def send(kind: bytes, body: bytes, fd: int | None = None) -> bool:
     with _lock:
         wire.write_frame(fd, kind, body)
     return True
+
+
+def pickle_value(value: Any) -> bytes:
+    """A value sent back to the launcher: plain pickle, or cloudpickle for classes and lambdas
+    defined in a notebook (which need pickling by value). Raises what cloudpickle raises."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def log_metrics(values: dict[str, float], step: int | None = None) -> bool:
