@@ -9,6 +9,7 @@ import os
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbcells import everything_shown
 
 import nblaunch
 
@@ -37,19 +38,6 @@ def run_cells(tmp_path, *sources: str) -> list:
                             resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     return nb.cells
-
-
-def everything_shown(cell) -> str:
-    """All the text of a cell's outputs, as a saved notebook holds it."""
-    parts = []
-    for output in cell.outputs:
-        if output.output_type == "stream":
-            parts.append(output.text)
-        elif output.output_type == "error":
-            parts += [output.ename, output.evalue, *output.traceback]
-        else:
-            parts += [str(v) for v in output.get("data", {}).values()]
-    return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")

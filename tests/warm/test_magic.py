@@ -11,6 +11,7 @@ import pytest
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
+from nbcells import everything_shown
 from nblaunch.warm.magic import assigned_names, used_names
 
 pytestmark = pytest.mark.slow
@@ -41,18 +42,6 @@ CELLS = [
 ]
 
 
-def text(cell) -> str:
-    parts = []
-    for output in cell.outputs:
-        if output.output_type == "stream":
-            parts.append(output.text)
-        elif output.output_type == "error":
-            parts += [output.ename, output.evalue, *output.traceback]
-        else:
-            parts += [str(v) for v in output.get("data", {}).values()]
-    return "\n".join(parts)
-
-
 @pytest.fixture(scope="module")
 def notebook(tmp_path_factory):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in CELLS])
@@ -71,30 +60,30 @@ def notebook(tmp_path_factory):
 
 def test_the_last_expression_comes_back_per_rank(notebook):
     cells, *_ = notebook
-    assert "[0, 1]" in text(cells[1])
+    assert "[0, 1]" in everything_shown(cells[1])
 
 
 def test_names_live_on_in_the_ranks_and_notebook_names_are_sent(notebook):
     cells, *_ = notebook
-    assert "[[60.0, 60.0], [60.0, 60.0]]" in text(cells[3])  # (1 + 2) * 10, doubled
-    assert "<WarmRanks: 2 processes, up>" in text(cells[4])
-    shown = text(cells[5])
+    assert "[[60.0, 60.0], [60.0, 60.0]]" in everything_shown(cells[3])  # (1 + 2) * 10, doubled
+    assert "<WarmRanks: 2 processes, up>" in everything_shown(cells[4])
+    shown = everything_shown(cells[5])
     assert "rank 0 pid" in shown and "rank 1 pid" in shown
 
 
 def test_a_failure_names_the_rank_and_the_cell_line_and_the_next_cell_starts_afresh(notebook):
     cells, *_ = notebook
-    failed = text(cells[8])
+    failed = everything_shown(cells[8])
     assert "RankFailedError" in failed and "rank 1 failed: ValueError: bad shape in a cell" in failed
     assert "distributed cell" in failed and "raise ValueError('bad shape in a cell')" in failed
-    fresh = text(cells[9])
+    fresh = everything_shown(cells[9])
     assert "[False, False]" in fresh and fresh.count("warm ranks had ended") == 1
 
 
 def test_a_typo_is_refused_in_the_kernel_and_the_ranks_keep_their_state(notebook):
     cells, *_ = notebook
-    assert "SyntaxError" in text(cells[6]) and "distributed cell" in text(cells[6])
-    assert "[[1.0, 1.0], [2.0, 2.0]]" in text(cells[7])
+    assert "SyntaxError" in everything_shown(cells[6]) and "distributed cell" in everything_shown(cells[6])
+    assert "[[1.0, 1.0], [2.0, 2.0]]" in everything_shown(cells[7])
 
 
 def test_a_kernel_restart_takes_the_warm_ranks_with_it(notebook):
