@@ -23,6 +23,7 @@ from typing import Callable, NoReturn
 import nblaunch
 from nblaunch import proctree, wire
 from nblaunch.launch import fdtable
+from nblaunch.launch.forking_thread import run_on_forking_thread
 from nblaunch.launch.payload import Payload
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.xla import RankEnds, run_host
@@ -199,20 +200,30 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[], NoReturn]) -> WorkerProc
     otherwise raise in the child, inside the launcher's code.
     """
     own_ends = [fd for pipes in ranks.values() for fd in pipes.worker_ends]
-    with fdtable.forking(own_ends):
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        pid = os.fork()
-        if pid == 0:
-            try:
-                child()
-            finally:
-                os._exit(70)  # never back into the launcher's code, whatever happened
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    try:
-        os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
-    except OSError:
-        pass
-    return _handle(pid, ranks, popen=None)
+
+    def fork() -> int:  # on the forking thread: see nblaunch.launch.forking_thread
+        with fdtable.forking(own_ends):
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    child()
+                finally:
+                    os._exit(70)  # never back into the launcher's code, whatever happened
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        try:
+            os.setpgid(pid, pid)  # also done by the child; whoever is first wins the race
+        except OSError:
+            pass
+        return pid
+
+    def undo(pid: int) -> None:  # interrupted meanwhile: nobody would own this process
+        worker = _handle(pid, ranks, popen=None)
+        worker.kill()
+        worker.wait()
+        worker.close()
+
+    return _handle(run_on_forking_thread(fork, undo), ranks, popen=None)
 
 
 def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:

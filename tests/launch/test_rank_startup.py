@@ -33,6 +33,29 @@ def test_a_launch_works_with_dill_installed_and_torch_imported_first():
     assert done.stdout.strip() == "[1, 1]"
 
 
+OPENMP_AFTER_FORK = """
+import torch
+from nblaunch import notebook_launcher
+torch.set_num_threads(2)
+data = torch.ones(1 << 24)
+print(float(data.sum()))  # the notebook's own op: OpenMP starts a pool for this thread
+
+def train(data):
+    torch.set_num_threads(2)  # what a rank gets on a machine with more cores than ranks
+    return float(data.sum())
+
+print(notebook_launcher(train, args=(data,), num_processes=1, timeout=60, display="none"))
+"""
+
+
+def test_ranks_forked_after_the_notebook_used_openmp_can_use_it_too():
+    # libgomp's pool belongs to the thread that ran a parallel region; a rank forked from that
+    # thread waited forever for the pool's threads in its first op with two threads.
+    done = subprocess.run([sys.executable, "-c", OPENMP_AFTER_FORK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["16777216.0", "[16777216.0]"]
+
+
 class FixedStreamHandler(logging.StreamHandler):
     """A hostile handler: its stream cannot be changed, and reading it may even raise."""
 
