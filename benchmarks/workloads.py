@@ -352,3 +352,8 @@ def rss_mb_after_all_reduce() -> float:
     all_reduce_once()
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def sum_of(tensor) -> float:
+    """A call that reads every byte of a big argument."""
+    return float(tensor.sum())

@@ -91,16 +91,17 @@ def kill_tree(pid: int) -> None:
     kill_pids(below)
 
 
-def kill_marked(launch_id: str, pipe_ends: set[tuple[int, str]], since_ticks: int | None) -> list[int]:
+def kill_marked(launch_id: str, pipe_ends: set[tuple[str, str]], since_ticks: int | None) -> list[int]:
     """SIGKILL every process marked as the launch's (see above); return their pids.
 
     ``since_ticks`` (a start time in clock ticks since boot, as /proc/<pid>/stat field 22) skips
     older processes without reading anything else: only processes of the launch can be marked.
-    ``pipe_ends`` are (inode, "w" or "r") of the *ranks'* ends: a fork of the launcher's process
-    (the user's DataLoader worker) may hold the launcher's ends of the same pipes, never these.
+    ``pipe_ends`` are ("pipe:[inode]" or "socket:[inode]", "w" or "r") of the *ranks'* ends: a
+    fork of the launcher's process (the user's DataLoader worker) may hold the launcher's ends of
+    the same pipes, never these.
     """
     marker = f"{LAUNCH_ID_VARIABLE}={launch_id}".encode()
-    pipes = {f"pipe:[{inode}]": mode for inode, mode in pipe_ends}
+    pipes = dict(pipe_ends)
     me = os.getpid()
     found = []
     for pid in pids():

@@ -8,6 +8,7 @@ the format lives in one place.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 HEADER = struct.Struct("<cQ")
@@ -26,9 +27,11 @@ PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)
 DUMP_STACKS = b"D"  # empty body: please answer with a STACKS frame
 CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
 CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
+SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
+#                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
-# (SHARED_STORAGE, fd, size, dtype); the fd is inherited from the launcher. See nblaunch.launch.payload.
+# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.payload.
 SHARED_STORAGE = "nblaunch.shared-storage"
 
 
@@ -49,6 +52,29 @@ def write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+# The kernel takes at most 253 descriptors per message (SCM_MAX_FD); a frame header's 9 bytes
+# each carry up to this many, so one frame can bring 2250.
+_FDS_PER_MESSAGE = 250
+
+
+def write_frame_with_fds(fd: int, kind: bytes, body: bytes, fds: list[int]) -> None:
+    """Write one frame to the Unix socket ``fd``, its header carrying ``fds`` (duplicated into
+    the reader, which gets them from ``recv_fds``; the caller may close its own at once)."""
+    groups = [fds[i : i + _FDS_PER_MESSAGE] for i in range(0, len(fds), _FDS_PER_MESSAGE)]
+    if len(groups) > HEADER.size:
+        raise ValueError(f"at most {HEADER.size * _FDS_PER_MESSAGE} descriptors fit one frame, got {len(fds)}")
+    head = HEADER.pack(kind, len(body))
+    sock = socket.socket(fileno=fd)
+    try:
+        for i, group in enumerate(groups):  # one header byte per message, each with its group
+            socket.send_fds(sock, [head[i : i + 1]], group)
+    finally:
+        sock.detach()  # the descriptor stays open: it is the caller's
+    write_all(fd, head[len(groups) :])
+    if body:
+        write_all(fd, body)
 
 
 class FrameReader:

@@ -1,6 +1,6 @@
 """The launcher's own file descriptors, closed in every process forked from the launcher's.
 
-Pipe ends and spawn memfds of every live launch are registered here the moment they are made.
+Pipe and socket ends and memfds of every live launch are registered the moment they are made.
 A process forked from the kernel -- a rank of any launch, or the user's own DataLoader worker or
 fork-based pool -- must hold none of them: a held write end hides a rank's EOF, a held pipe end
 makes an unrelated process look like part of a launch (see ``nblaunch.proctree``), and a held
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from typing import Iterable, Iterator
 
@@ -34,6 +35,16 @@ def new_pipe() -> tuple[int, int]:
     return ends
 
 
+def new_socketpair() -> tuple[int, int]:
+    """Two connected Unix stream sockets (a two-way pipe that can also carry descriptors),
+    registered before any fork of ours can copy them."""
+    with _lock:
+        one, other = socket.socketpair()
+        ends = (one.detach(), other.detach())
+        _fds.update(ends)
+    return ends
+
+
 def new_memfd(name: str) -> int:
     """An anonymous memory file, registered before any fork of ours can copy it."""
     with _lock:
@@ -43,9 +54,12 @@ def new_memfd(name: str) -> int:
 
 
 def close(fds: Iterable[int]) -> None:
-    """Close registered descriptors and forget them."""
+    """Close registered descriptors and forget them. A number not (or no longer) registered is
+    left alone: closing twice must never close what reused the number meanwhile."""
     with _lock:
         for fd in fds:
+            if fd not in _fds:
+                continue
             _fds.discard(fd)
             try:
                 os.close(fd)

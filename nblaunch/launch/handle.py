@@ -119,12 +119,13 @@ class Launch:
                 self._supervisor.cancel(raising)
         return True
 
-    def _send_to_ranks(self, kind: bytes, body: bytes = b"") -> bool:
-        """One frame to every live rank (a warm pool's calls); False when none runs."""
+    def _send_to_ranks(self, kind: bytes, body: bytes = b"", shared: Payload | None = None) -> bool:
+        """One frame to every live rank (a warm pool's calls, ``shared``: their memfds); False
+        when none runs."""
         with self._lock:
             if self._future.done() or self._supervisor is None:
                 return False
-            self._supervisor.send_to_ranks(kind, body)
+            self._supervisor.send_to_ranks(kind, body, shared)
             return True
 
     def stacks(self, timeout: float = 5.0) -> dict[int, str]:
@@ -268,7 +269,7 @@ class Launch:
         supervisor: Supervisor | None = None
         try:
             if plan.start_method == "spawn":
-                payload = package(self._function, self._args)
+                payload = package((self._function, self._args))
             workers = start_workers(plan, self._function, self._args, self._inherited_environ, payload)
             record = registry.LaunchRecord(
                 launch_id=self.launch_id, launcher_pid=os.getpid(), port=plan.master_port,

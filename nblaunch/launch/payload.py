@@ -1,12 +1,15 @@
-"""The spawn payload: the user's function and arguments for spawned ranks.
+"""The payload: the user's function and arguments for spawned ranks, and a warm rank's calls.
 
 Under fork every rank gets its own copy-on-write view of the notebook's memory. Spawn gives the
 same: big CPU tensor storages and out-of-band pickle buffers (numpy arrays) of at least
 ``_SHARE_MIN_BYTES`` are copied once into an anonymous memory file (memfd) instead of into the
 pickle, and each rank maps that file *privately* (see ``nblaunch.worker.payload``): it reads the
-same pages, and what it writes it writes to pages of its own. The memfds are passed to spawned
-ranks as inherited descriptors, so nothing depends on /proc/<launcher>/fd being openable. The notebook's objects are never
+same pages, and what it writes it writes to pages of its own. The memfds reach a spawned rank
+as inherited descriptors and a warm rank's call over its control socket (SCM_RIGHTS), so
+nothing depends on /proc/<launcher>/fd being openable. The notebook's objects are never
 touched, and nothing is left in /dev/shm; the pages are freed with the last rank mapping them.
+A warm call's arguments get the same copy semantics under fork too: the ranks were forked
+before the arguments existed.
 
 The launcher's peak memory is the objects plus one copy of their bytes (written with ``write``,
 never mapped here), where pickling them whole would cost a copy per rank and per layer.
@@ -20,7 +23,7 @@ import os
 import pickle
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
@@ -99,21 +102,22 @@ class _SharingPickler(cloudpickle.Pickler):
         return (wire.SHARED_STORAGE, fd, size, dtype)
 
 
-def package(function: Callable, args: tuple) -> Payload:
-    """The payload for ``function(*args)``; ``fdtable.close(payload.fds)`` when the launch ends.
+def package(value: Any) -> Payload:
+    """``value`` pickled for a rank that does not share this process's memory, big bytes in
+    memfds; ``fdtable.close(payload.fds)`` once every rank has them (or the launch is over).
 
     Example::
 
-        payload = package(train, (big_tensor,))
+        payload = package((train, (big_tensor,)))
         len(payload.data)    # small: the tensor's bytes are in a memfd
     """
     payload = Payload(b"")
     if not hasattr(os, "memfd_create"):  # not Linux: everything in the pickle
-        payload.data = cloudpickle.dumps((function, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payload.data = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         return payload
     out = io.BytesIO()
     try:
-        _SharingPickler(out, payload).dump((function, args))
+        _SharingPickler(out, payload).dump(value)
     except BaseException:
         fdtable.close(payload.fds)
         raise

@@ -47,7 +47,7 @@ class LaunchRecord:
     port: int
     ranks: list[tuple[int, int | None]]  # (pid, start time) of each rank
     log_dir: str = ""  # never pruned while this record exists
-    pipes: list[tuple[int, str]] = field(default_factory=list)  # the ranks' pipe ends (see nblaunch.proctree)
+    pipes: list[tuple[str, str]] = field(default_factory=list)  # the ranks' pipe ends (see nblaunch.proctree)
 
     @property
     def path(self) -> str:
@@ -68,9 +68,9 @@ class LaunchRecord:
 
     def kill_marked(self) -> list[int]:
         """Stop what the launch's ranks left behind, found by its marks (see nblaunch.proctree).
-        Pipe inodes are reused over time: matched only among processes born since the launch."""
+        Pipe and socket inodes are reused over time: matched only among processes born since the launch."""
         since = min((start for _, start in self.ranks if start), default=None)
-        pipes = {(int(inode), str(mode)) for inode, mode in self.pipes} if since is not None else set()
+        pipes = {(str(link), str(mode)) for link, mode in self.pipes} if since is not None else set()
         return proctree.kill_marked(self.launch_id, pipes, since)
 
     def remove(self) -> None:
@@ -134,7 +134,7 @@ def stop_stale_ranks() -> list[str]:
             stale = LaunchRecord(
                 launch_id=name[: -len(".json")], launcher_pid=launcher_pid, port=record["port"],
                 ranks=[(int(pid), int(start) if start else None) for pid, start in record["ranks"]],
-                pipes=[(int(inode), str(mode)) for inode, mode in record.get("pipes") or []],
+                pipes=[(str(link), str(mode)) for link, mode in record.get("pipes") or []],
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours

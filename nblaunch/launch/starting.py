@@ -44,7 +44,7 @@ def environ_for_ranks(plan: LaunchPlan) -> dict[str, str]:
 def start_workers(plan: LaunchPlan, function: Callable, args: tuple, inherited: dict[str, str],
                   payload: Payload | None) -> list[WorkerProcess]:
     """Start every process of the launch; ``inherited`` is ``environ_for_ranks(plan)``, and
-    ``payload`` is ``package(function, args)`` for a spawn launch (None otherwise)."""
+    ``payload`` is ``package((function, args))`` for a spawn launch (None otherwise)."""
     if plan.start_method == "xla":
         # torch_xla pickles the function for its process pool (even with fork): cloudpickle it
         # first, so a function defined in a notebook cell travels by value.

@@ -39,8 +39,9 @@ from nblaunch.launch.errors import (
     failure_from_report,
 )
 from nblaunch.launch.diagnosis import explain_peer_left
-from nblaunch.launch.watched import WatchedRank
+from nblaunch.launch.payload import Payload
 from nblaunch.launch.quiet import QUIET_STACKS_S, QuietWatch
+from nblaunch.launch.watched import WatchedRank
 from nblaunch.launch.workers import WorkerProcess
 
 _READ_SIZE = 1 << 20
@@ -131,10 +132,11 @@ class Supervisor:
         self._cancel_requested = True
         self._wake()
 
-    def send_to_ranks(self, kind: bytes, body: bytes = b"") -> None:
-        """One frame to every live rank's control pipe (a warm pool's calls). Safe from any thread."""
+    def send_to_ranks(self, kind: bytes, body: bytes = b"", shared: Payload | None = None) -> None:
+        """One frame to every live rank's control socket (a warm pool's calls, with the memfds
+        ``shared`` holds). Safe from any thread."""
         for rank in self._live():
-            rank.pipes.send(kind, body)
+            rank.pipes.send(kind, body, shared)
 
     def request_stacks(self) -> None:
         """Ask every live rank where it is, without stopping anything; the answers come as

@@ -1,8 +1,9 @@
 """Starting worker processes (fork or spawn) and the launcher's handle on each one.
 
-Each rank gets four pipes: its stdout and stderr (fds 1 and 2, so C-level output is caught
-too), an event pipe (results, errors, metrics, progress, stacks) and a control pipe (stack-dump
-requests; EOF tells the rank its launcher is gone). Each rank leads a process group of its own,
+Each rank gets three pipes and a socket: its stdout and stderr (fds 1 and 2, so C-level output
+is caught too), an event pipe (results, errors, metrics, progress, stacks) and a control socket
+(the spawn payload, stack-dump requests, a warm rank's calls with their memfds; EOF tells the
+rank its launcher is gone). Each rank leads a process group of its own,
 so stopping it also stops the processes it started (DataLoader workers).
 """
 
@@ -47,7 +48,8 @@ class RankPipes:
     stdout_fd: int
     stderr_fd: int
     event_fd: int
-    control_fd: int
+    control_fd: int  # a Unix socket: it can carry memfds to the rank (see send)
+    control_link: str  # what /proc/<pid>/fd shows for the rank's end of the control socket
     payload_sender: threading.Thread | None = None  # spawned ranks: still writing the function
     # Frames to the rank come from the supervisor (stack requests) and a warm pool's caller
     # (calls): one writer at a time, so frames never interleave.
@@ -58,13 +60,17 @@ class RankPipes:
             return  # the control pipe is still carrying the payload; the rank has not started
         self.send(wire.DUMP_STACKS)
 
-    def send(self, kind: bytes, body: bytes = b"") -> bool:
+    def send(self, kind: bytes, body: bytes = b"", shared: Payload | None = None) -> bool:
         """One frame to the rank, after the spawn payload if that is still being written; False
-        if the rank is gone."""
+        if the rank is gone. ``shared``: the memfds ``body``'s pickle refers to, sent first (a
+        SHARED frame carrying them), so the rank maps them as a spawned rank maps its payload's."""
         if self.payload_sender is not None:
             self.payload_sender.join()
         try:
             with self.control_lock:
+                if shared is not None and shared.fds:
+                    note = pickle.dumps((shared.fds, shared.buffers), protocol=pickle.HIGHEST_PROTOCOL)
+                    wire.write_frame_with_fds(self.control_fd, wire.SHARED, note, shared.fds)
                 wire.write_frame(self.control_fd, kind, body)
             return True
         except OSError:
@@ -129,13 +135,14 @@ class WorkerProcess:
         else:
             self.signal_group(signal.SIGKILL)
 
-    def rank_pipe_ends(self) -> list[tuple[int, str]]:
-        """(inode, "w" or "r") of the ranks' ends of their pipes: what a process the ranks
-        started may hold, and nothing of the launcher's side does (see nblaunch.proctree)."""
+    def rank_pipe_ends(self) -> list[tuple[str, str]]:
+        """("pipe:[inode]" or "socket:[inode]", "w" or "r") of the ranks' ends of their pipes and
+        control sockets: what a process the ranks started may hold, and nothing of the
+        launcher's side does (see nblaunch.proctree)."""
         ends = []
         for r in self.ranks:
-            ends += [(os.fstat(fd).st_ino, "w") for fd in (r.stdout_fd, r.stderr_fd, r.event_fd)]
-            ends.append((os.fstat(r.control_fd).st_ino, "r"))
+            ends += [(f"pipe:[{os.fstat(fd).st_ino}]", "w") for fd in (r.stdout_fd, r.stderr_fd, r.event_fd)]
+            ends.append((r.control_link, "r"))  # a socketpair's ends are two inodes: the rank's is kept
         return ends
 
     def close(self) -> None:
@@ -148,11 +155,11 @@ class _Pipes:
     stdout: tuple[int, int]
     stderr: tuple[int, int]
     events: tuple[int, int]
-    control: tuple[int, int]
+    control: tuple[int, int]  # (the rank's end, the launcher's end) of a socketpair
 
     @classmethod
     def open(cls) -> "_Pipes":
-        pipes = cls(fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_pipe())
+        pipes = cls(fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_socketpair())
         for read_end, _ in (pipes.stdout, pipes.stderr, pipes.events):
             try:
                 fcntl.fcntl(read_end, _F_SETPIPE_SZ, _PIPE_SIZE)
@@ -170,6 +177,7 @@ class _Pipes:
 
 
 def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) -> WorkerProcess:
+    links = {rank: f"socket:[{os.fstat(p.control[0]).st_ino}]" for rank, p in ranks.items()}
     fdtable.close([fd for pipes in ranks.values() for fd in pipes.worker_ends])  # the worker has them
     for pipes in ranks.values():
         for fd in (pipes.stdout[0], pipes.stderr[0], pipes.events[0]):
@@ -184,7 +192,8 @@ def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) 
     return WorkerProcess(
         pid=pid,
         ranks=[
-            RankPipes(rank, p.stdout[0], p.stderr[0], p.events[0], p.control[1]) for rank, p in sorted(ranks.items())
+            RankPipes(rank, p.stdout[0], p.stderr[0], p.events[0], p.control[1], links[rank])
+            for rank, p in sorted(ranks.items())
         ],
         exit_fd=exit_fd,
         popen=popen,

@@ -13,21 +13,19 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
-import pickle
 import sys
 import threading
 import time
 import weakref
 from typing import Any, Callable
 
-import cloudpickle
-
 from nblaunch import wire
 from nblaunch.display import make_display
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
-from nblaunch.launch import ipython_errors, pickling
+from nblaunch.launch import fdtable, ipython_errors, pickling
 from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch, _unfinished
+from nblaunch.launch.payload import Payload, package
 from nblaunch.launch.plan import make_plan
 from nblaunch.warm.calls import CallRouter, CallTimedOut
 from nblaunch.worker.calls import serve_calls
@@ -95,11 +93,13 @@ class WarmRanks:
         ipython_errors.install()
         with self._one_call:
             call_id = next(self._ids)
-            body = _call_body(call_id, function, args)  # refused here, before anything is sent
+            packed = _package_call(call_id, function, args)  # refused here, before anything is sent
             try:
-                return self._call(function, call_id, body, timeout, self._display if display is None else display)
+                return self._call(function, call_id, packed, timeout, self._display if display is None else display)
             except BaseException as error:
                 raise error.with_traceback(None)
+            finally:
+                fdtable.close(packed.fds)  # the ranks hold their own copies of the descriptors
 
     def close(self) -> None:
         """Let the ranks leave (their process group goes with them). Safe to call twice."""
@@ -126,7 +126,7 @@ class WarmRanks:
 
     # -- one call ------------------------------------------------------------------------
 
-    def _call(self, function: Callable, call_id: int, body: bytes, timeout: float | None,
+    def _call(self, function: Callable, call_id: int, packed: Payload, timeout: float | None,
               display: str | Display) -> list[Any]:
         launch, router = self._ensure_started()
         call = router.begin(call_id, self.num_processes)
@@ -141,7 +141,8 @@ class WarmRanks:
             shown.on_event(start)
             for rank, pid in sorted(router.pids.items()):
                 shown.on_event(RankStarted(rank=rank, pid=pid))
-            launch._send_to_ranks(wire.CALL, body)
+            launch._send_to_ranks(wire.CALL, packed.data, packed)
+            fdtable.close(packed.fds)  # sent: the ranks have their own; less to hold during the call
             self._pump(call, shown, launch, None if timeout is None else started + timeout, timeout)
             if call.ended is not None:
                 self._ended_with = call.ended.summary
@@ -176,6 +177,8 @@ class WarmRanks:
         if self.alive:
             assert self._launch is not None and self._router is not None
             return self._launch, self._router
+        if self._launch is not None and self._ended_with is None:
+            self._raise_how_the_ranks_ended_between_calls()
         if self._ended_with is not None:
             print(f"nblaunch: the warm ranks had ended ({self._ended_with}); starting "
                   f"{self.num_processes} fresh ones: what the old ones held is gone", file=sys.stderr)
@@ -193,17 +196,29 @@ class WarmRanks:
             raise
         return launch, router
 
+    def _raise_how_the_ranks_ended_between_calls(self) -> None:
+        """A rank died while no call ran (killed, out of memory, a thread of it failed): that
+        failure is what this call raises, so it is never lost; the next call starts afresh."""
+        assert self._launch is not None and self._router is not None
+        ended = self._router.ended
+        self._ended_with = ended.summary if ended is not None else "they ended between calls"
+        if ended is not None and ended.state != RankState.DONE:
+            print("nblaunch: the warm ranks ended while no call ran, so this call did not run; "
+                  "the next one starts fresh ranks", file=sys.stderr)
+        self._launch.result(timeout=_CLOSE_S)  # raises the pool's error, if it had one
+
     def _make_plan(self) -> Any:
         o = self._options
         return make_plan(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"], "127.0.0.1",
                          0, 1, o["start_method"], None, "none", force_cpu=False)
 
 
-def _call_body(call_id: int, function: Callable, args: tuple) -> bytes:
+def _package_call(call_id: int, function: Callable, args: tuple) -> Payload:
+    """The call for the ranks; big tensors and arrays go in memfds, as for a spawn launch."""
     if not callable(function):
         raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
     try:
-        return cloudpickle.dumps((call_id, function, args), protocol=pickle.HIGHEST_PROTOCOL)
+        return package((call_id, function, args))
     except Exception:
         pickling.check_picklable(function, args)  # names the culprit
         raise

@@ -22,6 +22,7 @@ from typing import Any, Callable, NoReturn
 
 from nblaunch import proctree, wire
 from nblaunch.worker import calls, channel, lifeline, payload, reports
+from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.inherited import forget_accelerate_state
 from nblaunch.worker.progress import install_tqdm_hook
 from nblaunch.worker.reports import RankGuard, describe, send_failure
@@ -57,7 +58,7 @@ def run_forked(
             guard.step = reports.ATTACHING
             attach_streams(stdout_fd, stderr_fd)
             guard.stderr_fd = 2
-            code = _run_rank(guard, settings, function, args, event_fd, control_fd)
+            code = _run_rank(guard, settings, function, args, event_fd, ControlSocket(control_fd))
         os._exit(code)
     finally:
         os._exit(70)  # reached only if the guard itself could not end the rank
@@ -83,22 +84,23 @@ def main_spawned(argv: list[str]) -> NoReturn:
             guard.step = reports.ATTACHING
             attach_streams(1, 2)
             guard.step = reports.LOADING
-            settings, data, buffers, control_reader, later = payload.read(control_fd)
+            control = ControlSocket(control_fd)
+            settings, data, buffers = payload.read(control)
             sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
             function, args = payload.load(data, buffers)
-            code = _run_rank(guard, settings, function, args, event_fd, control_fd, (control_reader, later))
+            code = _run_rank(guard, settings, function, args, event_fd, control)
         os._exit(code)
     finally:
         os._exit(70)
 
 
 def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, args: tuple,
-              event_fd: int, control_fd: int, control_read: tuple | None = None) -> int:
+              event_fd: int, control: ControlSocket) -> int:
     """What forked and spawned ranks do alike once they can run: set up, serve, clean up."""
     guard.step = reports.SETTING_UP
     _set_up_rank(settings, event_fd)
     guard.step = reports.REPORTING
-    code = serve(function, args, control_fd, event_fd, control_read)
+    code = serve(function, args, control, event_fd)
     leave_cleanly(event_fd)
     return code
 
@@ -136,14 +138,14 @@ def prepare_process() -> None:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
-def serve(function: Callable, args: tuple, control_fd: int, event_fd: int, control_read: tuple | None = None) -> int:
+def serve(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
     """Run one rank's function and send back its result or failure; returns an exit code.
 
     The channel must already point at ``event_fd`` for the calling thread.
     """
     # A bare thread: threading.Thread.start() waits until the new thread runs, which on busy
     # cores is a millisecond of every launch spent before the user's function starts.
-    _thread.start_new_thread(_watch_launcher, (control_fd, event_fd, *(control_read or ())))
+    _thread.start_new_thread(_watch_launcher, (control, event_fd))
     try:
         result = function(*args)
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result
@@ -167,28 +169,24 @@ def _send_result(result: Any) -> None:
     channel.send(wire.RESULT, channel.pickle_value(result))
 
 
-def _watch_launcher(control_fd: int, event_fd: int, reader: wire.FrameReader | None = None,
-                    frames: list | None = None) -> None:
+def _watch_launcher(control: ControlSocket, event_fd: int) -> None:
     """Answer stack-dump requests, pass calls on to a warm rank's loop; exit when the
-    launcher's end of the pipe closes. ``reader``/``frames``: where reading the spawn payload
-    left off."""
-    reader = reader or wire.FrameReader()
-    frames = list(frames or ())
-    while True:
-        if not frames:
-            try:
-                chunk = os.read(control_fd, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                os._exit(1)  # the launcher is gone; on Linux PR_SET_PDEATHSIG has usually acted first
-            frames = reader.feed(chunk)
-        for kind, body in frames:
-            if kind == wire.DUMP_STACKS:
-                channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
-            elif kind in (wire.CALL, wire.CLOSE):
-                calls.deliver(kind, body)
-        frames = []
+    launcher's end of the socket closes. If this thread breaks, the rank reports it and leaves:
+    without it no call would ever arrive, and the launcher would wait for nothing."""
+    try:
+        shared = None  # the memfds of the next call
+        while True:
+            for kind, body in control.next_frames():
+                if kind == wire.DUMP_STACKS:
+                    channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
+                elif kind == wire.SHARED:
+                    shared = control.shared_memory(body)
+                elif kind in (wire.CALL, wire.CLOSE):
+                    calls.deliver(kind, body, shared)
+                    shared = None
+    except BaseException as error:
+        send_failure(error, f"nblaunch's control thread in this rank broke: {describe(error)}", fd=event_fd)
+        os._exit(1)
 
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -1,9 +1,11 @@
 """A warm rank: it serves calls from the launcher until the launcher closes it.
 
 The launcher starts warm ranks as a launch whose function is :func:`serve_calls`. The rank's
-watch thread (which also answers stack requests) hands each ``CALL`` frame from the control pipe
-to this module's queue; the main thread runs the call, flushes its output (so every line of a
-call is in the pipe before its result), and sends ``CALL_RESULT``. An exception in a call is
+watch thread (which also answers stack requests) hands each ``CALL`` frame from the control
+socket to this module's queue, with the memfds that carry its big tensors and arrays (mapped
+copy-on-write, as a spawned rank maps its payload); the main thread runs the call, flushes
+its output (so every line of a call is in the pipe before its result), and sends
+``CALL_RESULT``. An exception in a call is
 not caught here: the rank fails the way a launch's rank fails, and the launcher stops them all.
 ``CLOSE`` ends the loop; the rank then leaves like any finished rank.
 
@@ -13,7 +15,7 @@ loop's bookkeeping (the active DataLoader, accumulation counters) does not carry
 
 Example (what ``WarmRanks.run(f, 3)`` makes a rank do)::
 
-    deliver(wire.CALL, cloudpickle.dumps((1, f, (3,))))  # from the watch thread
+    deliver(wire.CALL, package((1, f, (3,))).data)  # from the watch thread
     serve_calls()  # runs f(3), sends (1, result); returns on CLOSE
 """
 
@@ -24,28 +26,28 @@ import linecache
 import queue
 from typing import Any
 
-import cloudpickle
-
 from nblaunch import wire
-from nblaunch.worker import channel
+from nblaunch.worker import channel, payload
 from nblaunch.worker.streams import flush_streams
 
 _inbox: queue.SimpleQueue = queue.SimpleQueue()
 namespace: dict[str, Any] = {"__name__": "__main__"}  # what ``%%distributed`` cells define, per rank
 
 
-def deliver(kind: bytes, body: bytes) -> None:
-    """Called by the watch thread for each CALL or CLOSE frame."""
-    _inbox.put((kind, body))
+def deliver(kind: bytes, body: bytes, shared: tuple[dict[int, int], list] | None = None) -> None:
+    """Called by the watch thread for each CALL or CLOSE frame, with the memfds the call's
+    pickle refers to (``{launcher's fd number: ours}``, out-of-band buffers), if any."""
+    _inbox.put((kind, body, shared))
 
 
 def serve_calls() -> None:
     """The function a warm rank runs: calls, one at a time, until CLOSE."""
     while True:
-        kind, body = _inbox.get()
+        kind, body, shared = _inbox.get()
         if kind == wire.CLOSE:
             return None
-        call_id, function, args = cloudpickle.loads(body)
+        local_fd, buffers = shared or ({}, [])
+        call_id, function, args = payload.load(body, buffers, local_fd)
         _clean_training_state()
         result = function(*args)
         flush_streams()

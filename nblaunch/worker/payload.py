@@ -1,5 +1,6 @@
-"""A spawned rank's side of the payload (see ``nblaunch.launch.payload``): read it from the
-control pipe and rebuild ``(function, args)``, mapping shared bytes privately (copy-on-write)."""
+"""A rank's side of the payload (see ``nblaunch.launch.payload``): read a spawned rank's from the
+control socket and rebuild ``(function, args)``, or a warm rank's call, mapping shared bytes
+privately (copy-on-write)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import io
 import mmap
 import os
 import pickle
-from typing import Any, Callable, NoReturn
+from typing import Any
 
 from nblaunch import wire
+from nblaunch.worker.control import ControlSocket
 
 
 def _map_private(fd: int, size: int) -> mmap.mmap:
@@ -18,14 +20,16 @@ def _map_private(fd: int, size: int) -> mmap.mmap:
 
 
 class _PayloadUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, buffers: list[Any]):
+    def __init__(self, data: bytes, buffers: list[Any], local_fd: dict[int, int]):
         super().__init__(io.BytesIO(data), buffers=buffers)
         self._storages: dict[int, Any] = {}
+        self._local_fd = local_fd
 
     def persistent_load(self, pid: Any) -> Any:
-        tag, fd, size, dtype = pid
+        tag, launcher_fd, size, dtype = pid
         if tag != wire.SHARED_STORAGE:
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        fd = self._local_fd.get(launcher_fd, launcher_fd)
         import torch
 
         untyped = self._storages.get(fd)
@@ -38,39 +42,37 @@ class _PayloadUnpickler(pickle.Unpickler):
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
-def load(data: bytes, buffers: list[tuple[int, int]]) -> tuple[Callable, tuple]:
-    """``(function, args)`` from a payload's pickle and its out-of-band buffers. The memfds are
-    closed afterwards: the mappings keep their memory."""
-    views = [memoryview(_map_private(fd, size)) for fd, size in buffers]
-    unpickler = _PayloadUnpickler(data, views)
+def load(data: bytes, buffers: list[tuple[int, int]], local_fd: dict[int, int] | None = None) -> Any:
+    """The value a payload's pickle holds (a spawned rank's ``(function, args)``, a warm
+    rank's call), given its out-of-band buffers. ``local_fd`` turns the launcher's memfd numbers
+    into this process's, where they differ (memfds received over a socket); without it they are
+    the same (inherited). The memfds are closed afterwards: the mappings keep their memory."""
+    local_fd = local_fd or {}
+    used = set(local_fd.values()) | {local_fd.get(fd, fd) for fd, _ in buffers}
+    unpickler = None
     try:
+        views = [memoryview(_map_private(local_fd.get(fd, fd), size)) for fd, size in buffers]
+        unpickler = _PayloadUnpickler(data, views, local_fd)
         return unpickler.load()
     finally:
-        for fd in {fd for fd, _ in buffers} | set(unpickler._storages):
+        for fd in used | (set(unpickler._storages) if unpickler is not None else set()):
             try:
                 os.close(fd)
             except OSError:
                 pass
 
 
-def read(control_fd: int) -> tuple[Any, bytes, list[tuple[int, int]], wire.FrameReader, list]:
-    """``(settings, pickle, buffers, reader, later)`` from the control pipe; exits if the
-    launcher is gone. ``reader`` and ``later`` (frames read past the payload, such as a warm
-    rank's first call) are the watch thread's to go on with."""
-    reader = wire.FrameReader()
+def read(control: ControlSocket) -> tuple[Any, bytes, list[tuple[int, int]]]:
+    """``(settings, pickle, buffers)`` from the control socket; exits if the launcher is gone.
+    Frames read past the payload (a warm rank's first call) stay in ``control`` for the watch
+    thread."""
     head: tuple | None = None
     while True:
-        chunk = os.read(control_fd, 1 << 20)
-        if not chunk:
-            _launcher_gone()
-        frames = reader.feed(chunk)
+        frames = control.next_frames()
         for index, (kind, body) in enumerate(frames):
             if kind == wire.SPAWN_SETTINGS:
                 head = pickle.loads(body)
             elif kind == wire.PAYLOAD and head is not None:
+                control.put_back(frames[index + 1 :])
                 settings, buffers = head
-                return settings, body, buffers, reader, frames[index + 1:]
-
-
-def _launcher_gone() -> NoReturn:
-    os._exit(1)  # the launcher went away before sending the work
+                return settings, body, buffers

@@ -25,6 +25,7 @@ from typing import NoReturn
 import cloudpickle
 
 from nblaunch.worker import bootstrap, channel, lifeline, reports
+from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.reports import RankGuard
 from nblaunch.worker.streams import attach_streams, flush_streams, line_stream
 
@@ -133,7 +134,7 @@ class DeviceEntry:
             reason = f"{reports.LOADING}: {reports.describe(error)}"
             reports.send_failure(error, reason, hint=reports.hint_for(reports.LOADING))
             return
-        bootstrap.serve(function, args, ends.control, ends.events)
+        bootstrap.serve(function, args, ControlSocket(ends.control), ends.events)
         flush_streams()
         # Return normally even after a failure: the launcher already knows, and stops the rest.
 

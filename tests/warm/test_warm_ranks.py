@@ -205,3 +205,17 @@ def test_a_one_rank_pool_works_and_reads_right():
         first = pool.run(pid)
         assert pool.run(pid) == first and repr(pool) == "<WarmRanks: 1 process, up>"
     assert repr(pool) == "<WarmRanks: 1 process, closed>"
+
+
+def test_a_rank_killed_between_calls_is_reported_by_the_next_call(ranks, capfd):
+    import signal
+
+    pids = ranks.run(pid)
+    os.kill(pids[1], signal.SIGKILL)  # the out-of-memory killer, say, while no call runs
+    with pytest.raises(RankFailedError, match="SIGKILL"):
+        ranks._launch.result(timeout=60)  # wait for the pool to be over
+    with pytest.raises(RankFailedError, match="rank 1 failed: killed by SIGKILL"):
+        ranks.run(pid)
+    assert "ended while no call ran" in capfd.readouterr().err
+    assert set(ranks.run(pid)).isdisjoint(pids)
+    assert "starting 2 fresh ones" in capfd.readouterr().err
