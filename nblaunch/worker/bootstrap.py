@@ -69,6 +69,9 @@ def settle_forked_child(parent_pid: int) -> None:
     blocked across the fork, may come in), and death with the launcher. The launcher's other
     descriptors were closed at the fork (``nblaunch.launch.fdtable``)."""
     os.setpgid(0, 0)
+    # Forked from the launcher's forking thread, which is now this process's main thread: give it
+    # the main thread's name back (stacks say "Thread MainThread"; some libraries check the name).
+    threading.current_thread().name = "MainThread"
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     lifeline.die_with_parent(parent_pid)
 
@@ -190,6 +193,22 @@ def _watch_launcher(control: ControlSocket, event_fd: int) -> None:
 
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
+# The worker code that calls the user's function; frames of other worker modules (channel,
+# progress, streams) are called *by* the user's code.
+_ENTRY_FILES = {os.path.join(_WORKER_DIR, name) for name in ("bootstrap.py", "calls.py", "xla.py")}
+
+
+def _users_code_starts(summary: traceback.StackSummary) -> int:
+    """Index of the first frame after the run of worker frames that called the user's function
+    (``serve``, a warm rank's ``run_code``); 0 for a thread the worker did not start. Later worker
+    frames stay: user code that reports a metric is still the user's code, blocked or not."""
+    ours = [os.path.abspath(f.filename) in _ENTRY_FILES for f in summary]
+    if True not in ours:
+        return 0
+    end = ours.index(True)
+    while end < len(ours) and ours[end]:
+        end += 1
+    return end
 
 
 def format_stacks() -> str:
@@ -197,7 +216,7 @@ def format_stacks() -> str:
 
     A forked rank's main thread still holds the frames that led the launcher to fork it (the
     kernel, the cell, ``notebook_launcher``); an XLA device thread, torch_xla's pool. Frames up
-    to the last one of nblaunch's worker code are not the user's: they are left out.
+    to the worker code that called the user's function are not the user's: they are left out.
     """
     frames = sys._current_frames()
     me = threading.get_ident()
@@ -208,8 +227,6 @@ def format_stacks() -> str:
         if frame is None or thread.ident == me:
             continue
         summary = traceback.extract_stack(frame)
-        ours = [i for i, f in enumerate(summary) if os.path.dirname(os.path.abspath(f.filename)) == _WORKER_DIR]
-        if ours:
-            summary = summary[ours[-1] + 1 :]
+        summary = summary[_users_code_starts(summary) :]
         parts.append(f"Thread {thread.name} (most recent call last):\n" + "".join(traceback.format_list(summary)))
     return "\n".join(parts)

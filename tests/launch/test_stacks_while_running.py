@@ -84,3 +84,25 @@ def test_the_quiet_watch_backs_off_and_any_sign_of_life_resets_it():
     assert watch.wait(130.0) == 30.0 and not watch.due(159.0) and watch.due(160.0)
     never = QuietWatch(after=None, now=0.0)
     assert never.wait(0.0) is None and not never.due(1e9)
+
+
+def test_a_stack_keeps_the_users_frames_when_it_ends_in_nblaunch_code():
+    # A rank stopped while its code reported a metric: the stack used to begin after the last
+    # worker frame (channel.py), showing only nblaunch's wire.py, so "stopped at" named wire.py.
+    import traceback
+
+    from nblaunch.worker import bootstrap
+
+    worker = os.path.dirname(bootstrap.__file__)
+
+    def frames(*paths):
+        return traceback.StackSummary.from_list([traceback.FrameSummary(p, 1, "f") for p in paths])
+
+    forked = frames("/ipykernel/kernelapp.py", os.path.join(worker, "bootstrap.py"),
+                    os.path.join(worker, "bootstrap.py"), "/home/me/train.py",
+                    os.path.join(worker, "channel.py"), os.path.join(os.path.dirname(worker), "wire.py"))
+    assert bootstrap._users_code_starts(forked) == 3
+    warm = frames(os.path.join(worker, "bootstrap.py"), os.path.join(worker, "calls.py"), "<distributed cell>")
+    assert bootstrap._users_code_starts(warm) == 2
+    users_thread = frames("/usr/lib/python3.11/threading.py", "/home/me/train.py", os.path.join(worker, "channel.py"))
+    assert bootstrap._users_code_starts(users_thread) == 0
