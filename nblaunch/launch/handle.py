@@ -178,8 +178,9 @@ class Launch:
     # ------------------------------------------------------------------ running it
     def _start_in_background(self) -> None:
         # The thread starts spawned ranks and lives until they are reaped: PR_SET_PDEATHSIG fires
-        # when the thread that started them exits (forked ranks come from the forking thread). A display that prints (text) runs in a copy of the caller's
-        # context: ipykernel 7 keeps the launching cell there, so late lines land in that cell.
+        # when the thread that started them exits (forked ranks come from the forking thread).
+        # A display that prints (text) runs in a copy of the caller's context: ipykernel 7
+        # keeps the launching cell there, so late lines land in that cell.
         # Widgets update through comm messages, which find their widget from any thread; tagging
         # them with a finished cell would make nbclient/papermill drop them.
         run = self._run_quietly
