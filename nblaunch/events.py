@@ -43,7 +43,11 @@ class LaunchStarted:
     @property
     def rendezvous(self) -> str:
         """Where the ranks meet: host:port, or torch_xla's own mechanism on XLA."""
-        return "torch_xla" if self.start_method == "xla" else f"{self.master_addr}:{self.master_port}"
+        if self.start_method == "xla":
+            return "torch_xla"
+        if self.start_method == "ray":
+            return "node 0, once Ray has placed the ranks"
+        return f"{self.master_addr}:{self.master_port}"
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,27 @@ class RankFinished:
 
 
 @dataclass(frozen=True)
+class RanksPlaced:
+    """A cluster placed the ranks: node k (at ``nodes[k]``) runs ranks ``k * ranks_per_node``
+    up to ``(k + 1) * ranks_per_node - 1``, and they meet at ``master_addr:master_port``."""
+
+    nodes: tuple[str, ...]
+    ranks_per_node: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def line(self) -> str:
+        """One line for it, the same in every display."""
+        n = self.ranks_per_node
+        where = ", ".join(
+            f"ranks {k * n}-{k * n + n - 1} on {address}" if n > 1 else f"rank {k} on {address}"
+            for k, address in enumerate(self.nodes)
+        )
+        return f"placed {where}; meeting at {self.master_addr}:{self.master_port}"
+
+
+@dataclass(frozen=True)
 class LaunchRestarting:
     """A rank failed and ``max_restarts`` allows another start: every rank was stopped and all
     start again (``restart`` of ``max_restarts``), on a fresh rendezvous."""
@@ -158,8 +183,8 @@ class LaunchFinished:
 
 
 Event = (
-    LaunchStarted | RankStarted | Output | Progress | Metrics | Stacks | RankFinished | LaunchRestarting
-    | LaunchFinished | CallFinished
+    LaunchStarted | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
+    | LaunchRestarting | LaunchFinished | CallFinished
 )
 
 

@@ -85,7 +85,7 @@ def header_html(view: LaunchView, now: float) -> str:
         f"devices: {escape(plan.devices)}",
         f"start: {escape(plan.start_method)}"
         + (f' <span style="{MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
-        f"rendezvous: {escape(plan.rendezvous)}",
+        f"rendezvous: {escape(plan.rendezvous)}" if view.placed is None else escape(view.placed.line),
     ]
     if view.restarted is not None:
         r = view.restarted

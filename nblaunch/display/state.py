@@ -30,6 +30,7 @@ from nblaunch.events import (
     Progress,
     RankFinished,
     RankStarted,
+    RanksPlaced,
     RankState,
     Stacks,
 )
@@ -107,6 +108,7 @@ class LaunchView:
         self.metrics: dict[str, dict[int, Series]] = {}
         self._implicit_steps: dict[tuple[str, int], int] = {}
         self.restarted: LaunchRestarting | None = None  # the latest restart, if any
+        self.placed: RanksPlaced | None = None  # where a cluster put the ranks
         self.dirty: set[str] = set()
 
     # -- overall ----------------------------------------------------------------------------
@@ -157,6 +159,9 @@ class LaunchView:
             for r in range(event.num_processes):
                 self.rank(r)
             self.dirty |= {HEADER, RANKS}
+        elif isinstance(event, RanksPlaced):
+            self.placed = event
+            self.dirty.add(HEADER)
         elif isinstance(event, LaunchRestarting):
             self._restart(event)
         elif isinstance(event, LaunchFinished):

@@ -21,6 +21,7 @@ from nblaunch.events import (
     Output,
     Progress,
     RankFinished,
+    RanksPlaced,
     RankState,
     Stacks,
 )
@@ -98,6 +99,8 @@ class TextDisplay:
                 self._print(f"[rank {event.rank}] stopped: {event.detail}", "stderr")
         elif isinstance(event, LaunchRestarting):
             self._print(f"nblaunch: {event.line}", "stderr")
+        elif isinstance(event, RanksPlaced):
+            self._print(f"nblaunch: {event.line}")
         elif isinstance(event, LaunchFinished):
             for rank, (values, step) in sorted(self._last_metrics.items()):
                 self._print_metrics(rank, values, step)  # the latest values are never skipped

@@ -10,7 +10,7 @@ from nblaunch.events import Display
 from nblaunch.launch import ipython_errors, pickling
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.plan import LaunchPlan, make_plan
+from nblaunch.launch.plan import CLUSTER_CHOICES, LaunchPlan, make_plan
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.inherited import restore_accelerate_state, save_accelerate_state
 
@@ -33,6 +33,7 @@ def notebook_launcher(
     monitor_interval: float = 0.1,
     rdzv_backend: str = "static",
     ranks: "WarmRanks | None" = None,
+    cluster: str | None = None,
 ) -> list[Any] | "Launch":
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
@@ -61,6 +62,10 @@ def notebook_launcher(
             process group (milliseconds instead of a start), and what earlier calls left in
             them. ``num_processes`` must then be None or its size; ``block=False``,
             ``max_restarts`` and multi-node settings do not apply.
+        cluster: None runs the ranks on this machine; "ray" places ``num_nodes`` nodes of
+            ``num_processes`` ranks each on the Ray cluster this process is connected to
+            (``ray.init()``'s defaults if it is not): all nodes or none, node 0 hosting the
+            rendezvous, every rank's output, progress and result in this cell as on one machine.
         monitor_interval, rdzv_backend: Accelerate's elastic-launch arguments, accepted for
             its callers; nblaunch watches its ranks without polling and knows every rank up
             front, so they change nothing ("static" or "c10d").
@@ -85,6 +90,16 @@ def notebook_launcher(
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
     if ranks is not None:
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, max_restarts, num_nodes, timeout, display)
+    if cluster not in CLUSTER_CHOICES:
+        raise LaunchConfigError(f"cluster must be None (this machine) or 'ray', got {cluster!r}")
+    if cluster == "ray":
+        from nblaunch.cluster.ray_home import plan_ray_launch
+
+        plan, home = plan_ray_launch(function, args, num_processes, mixed_precision, use_port, master_addr,
+                                     node_rank, num_nodes, start_method, timeout, display, max_restarts,
+                                     monitor_interval, rdzv_backend)
+        ipython_errors.install()
+        return _launch(Launch(plan, function, args, timeout, display, home=home), block)
     plan = make_plan(
         function, args, num_processes, mixed_precision, use_port, master_addr,
         node_rank, num_nodes, start_method, timeout, display, force_cpu=False,
@@ -99,7 +114,12 @@ def notebook_launcher(
     if (block and plan.num_processes == 1 and plan.num_nodes == 1 and plan.start_method != "xla"
             and timeout is None and not plan.max_restarts):
         return [_run_in_process(plan, function, args)]
-    launch = Launch(plan, function, args, timeout, display)
+    return _launch(Launch(plan, function, args, timeout, display), block)
+
+
+def _launch(launch: Launch, block: bool) -> list[Any] | Launch:
+    """Run ``launch`` to its end here, or in the background when not ``block``."""
+    __tracebackhide__ = True
     if block:
         try:
             return launch._run()

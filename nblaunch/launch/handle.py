@@ -21,18 +21,15 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from nblaunch import proctree
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
-from nblaunch.launch import fdtable, ports, registry
+from nblaunch.launch import ports
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
-from nblaunch.launch.payload import Payload, package
+from nblaunch.launch.homes import LocalHome, RanksHome, RankWatcher
+from nblaunch.launch.payload import Payload
 from nblaunch.launch.plan import LaunchPlan
-from nblaunch.launch.starting import environ_for_ranks, kill_and_reap, start_workers
-from nblaunch.launch.supervisor import Supervisor
-from nblaunch.launch.workers import WorkerProcess
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -48,14 +45,15 @@ class Launch:
         launch.cancel()        # or: results = launch.result()
     """
 
-    def __init__(self, plan: LaunchPlan, function: Callable, args: tuple, timeout: float | None, display: Any):
+    def __init__(self, plan: LaunchPlan, function: Callable, args: tuple, timeout: float | None, display: Any,
+                 home: RanksHome | None = None):
         self.plan = plan
         self._function = function
         self._args = args
         self._timeout = timeout
         self._future: Future = Future()
         self._lock = threading.Lock()
-        self._supervisor: Supervisor | None = None
+        self._supervisor: RankWatcher | None = None  # the current attempt's
         self._cancel_requested = False
         self._cancel_as: BaseException | None = None
         self.clock_start = time.monotonic()  # elapsed times count from here (a warm pool: from each call)
@@ -66,16 +64,14 @@ class Launch:
         self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
         self.launch_id = uuid.uuid4().hex
-        # First, on the caller's thread: the imports for the ranks touch os.environ, which a
-        # launch thread must never do, and may fail before anything is open or shown.
-        # Every process of the launch inherits the tag, whatever session it makes for itself.
-        self._inherited_environ = dict(environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: self.launch_id})
-        for message in registry.stop_stale_ranks():
-            print(f"nblaunch: {message}", file=sys.stderr)
+        # Made on the caller's thread: a home may import for the ranks or check the cluster first.
+        self._home: RanksHome = home if home is not None else LocalHome()
+        self._home.prepare(plan, self.launch_id)
         self.log_dir = new_log_dir()
-        self._logs = LogFiles(self.log_dir, plan.num_processes)
+        shown = self._home.rank_count(plan)
+        self._logs = LogFiles(self.log_dir, shown)
         # Made here, on the caller's thread: a widget shows itself in the launching cell.
-        self._display = make_display(display, plan.num_processes)
+        self._display = make_display(display, shown)
         self._sink = Fanout(self._logs, self._display)
 
     # ------------------------------------------------------------------ the handle
@@ -169,7 +165,7 @@ class Launch:
 
     def __repr__(self) -> str:
         # A saved cell keeps this text for good: a state that can still change says it was a moment's.
-        head = f"<Launch {self.plan.function_name} on {self.plan.num_processes} processes, made at {self._made_at}"
+        head = f"<Launch {self.plan.function_name} on {self._home.rank_count(self.plan)} processes, made at {self._made_at}"
         status = self.status
         if status in ("starting", "running"):
             return f"{head}: {status} when shown; .status says now, .result() waits for the end>"
@@ -212,14 +208,13 @@ class Launch:
     def _run(self) -> list[Any]:
         plan = self.plan
         started = self.clock_start = time.monotonic()
-        self._emit(
-            LaunchStarted(
-                function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
-                node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
-                master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices,
-                log_dir=self.log_dir,
-            )
+        started_with = dict(
+            function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
+            node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
+            master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices,
+            log_dir=self.log_dir,
         )
+        self._emit(LaunchStarted(**dict(started_with, **self._home.describe(plan))))
         outcome: Any = None
         try:
             while True:
@@ -239,7 +234,7 @@ class Launch:
             self._emit(
                 LaunchFinished(
                     state=RankState.DONE, elapsed_s=elapsed, results=results,
-                    summary=f"all {plan.num_processes} ranks done in {elapsed:.2f} s{restarted}",
+                    summary=f"all {self._home.rank_count(plan)} ranks done in {elapsed:.2f} s{restarted}",
                 )
             )
             outcome = results
@@ -264,43 +259,16 @@ class Launch:
             timeout = self._timeout - (time.monotonic() - started)
             if timeout <= 0:
                 raise LaunchTimeoutError(self._timeout, {})
-        record = None
-        payload: Payload | None = None
-        workers: list[WorkerProcess] = []
-        supervisor: Supervisor | None = None
-        try:
-            if plan.start_method == "spawn":
-                payload = package((self._function, self._args))
-            workers = start_workers(plan, self._function, self._args, self._inherited_environ, payload)
-            record = registry.LaunchRecord(
-                launch_id=self.launch_id, launcher_pid=os.getpid(), port=plan.master_port,
-                ranks=[(w.pid, proctree.start_ticks(w.pid)) for w in workers], log_dir=self.log_dir,
-                pipes=[end for w in workers for end in w.rank_pipe_ends()],
-            )
-            record.save()
+        with self._home.attempt(plan, self._function, self._args, self._emit, timeout, self.log_dir) as watcher:
             with self._lock:
-                supervisor = self._supervisor = Supervisor(workers, self._emit, timeout)
+                self._supervisor = watcher
                 if self._cancel_requested:
-                    supervisor.cancel(self._cancel_as)
+                    watcher.cancel(self._cancel_as)
             try:
-                return supervisor.run()
+                return watcher.run()
             except LaunchTimeoutError as error:
                 figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
                 raise LaunchTimeoutError(figure, error.stacks) from None
-        except BaseException:
-            kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
-            raise
-        finally:
-            if payload is not None:
-                fdtable.close(payload.fds)  # ranks that mapped the memory keep it
-            if workers and not (supervisor is not None and supervisor.ended_cleanly):
-                # A rank that was killed could not stop what it had started: find it by its marks.
-                if record is not None:
-                    record.kill_marked()
-                else:  # interrupted before its record was made: the environment mark alone
-                    proctree.kill_marked(self.launch_id, set(), None)
-            if record is not None:
-                record.remove()
 
 
 def _next_start(plan: LaunchPlan) -> LaunchPlan:

@@ -21,6 +21,7 @@ from nblaunch.launch.threads import threads_per_worker
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 START_METHODS = ("fork", "spawn", "xla")
+CLUSTER_CHOICES = (None, "ray")  # None: this machine
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,13 @@ class LaunchPlan:
         return env
 
 
-def _positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LaunchConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
-def _port(value: Any) -> int | None:
+def port_number(value: Any) -> int | None:
     if value is None:
         return None
     try:
@@ -188,6 +189,32 @@ def check_open_files(num_processes: int) -> None:
         )
 
 
+def check_basics(function: Any, args: Any, mixed_precision: Any, timeout: Any, display: Any) -> str:
+    """The checks every launch shares, wherever its ranks run; returns ``mixed_precision``
+    in lower case. Raises LaunchConfigError."""
+    if not callable(function):
+        raise LaunchConfigError(f"function must be callable (the training function to run), got {type(function).__name__}")
+    if not isinstance(args, tuple):
+        raise LaunchConfigError(f"args must be a tuple of arguments for the function, got {type(args).__name__}; e.g. args=(lr,)")
+    if not isinstance(mixed_precision, str) or mixed_precision.lower() not in MIXED_PRECISION_CHOICES:
+        raise LaunchConfigError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise LaunchConfigError(
+            f"timeout must be a positive, finite number of seconds, or None for no limit; got {timeout!r}"
+        )
+    if isinstance(display, str):
+        if display not in DISPLAY_CHOICES:
+            raise LaunchConfigError(f"display must be one of {', '.join(DISPLAY_CHOICES)}, got {display!r}")
+    elif not (callable(getattr(display, "on_event", None)) and callable(getattr(display, "close", None))):
+        raise LaunchConfigError(
+            f"display must be one of {', '.join(DISPLAY_CHOICES)} or an object with on_event(event) and "
+            f"close() methods; got a {type(display).__name__}"
+        )
+    check_call(function, args)
+    return mixed_precision.lower()
+
+
 def make_plan(
     function: Callable,
     args: Any,
@@ -206,35 +233,15 @@ def make_plan(
     rdzv_backend: Any = "static",
 ) -> LaunchPlan:
     """Check every argument and decide how to launch; raises LaunchConfigError on bad input."""
-    if not callable(function):
-        raise LaunchConfigError(f"function must be callable (the training function to run), got {type(function).__name__}")
-    if not isinstance(args, tuple):
-        raise LaunchConfigError(f"args must be a tuple of arguments for the function, got {type(args).__name__}; e.g. args=(lr,)")
-    num_nodes = _positive_int("num_nodes", num_nodes)
+    mixed_precision = check_basics(function, args, mixed_precision, timeout, display)
+    num_nodes = positive_int("num_nodes", num_nodes)
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
         raise LaunchConfigError(f"node_rank must be an int in 0..num_nodes-1 (num_nodes={num_nodes}), got {node_rank!r}")
-    if not isinstance(mixed_precision, str) or mixed_precision.lower() not in MIXED_PRECISION_CHOICES:
-        raise LaunchConfigError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
-    mixed_precision = mixed_precision.lower()
     if not isinstance(master_addr, str) or not master_addr:
         raise LaunchConfigError(f"master_addr must be a host name or address, got {master_addr!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout <= 0):
-        raise LaunchConfigError(
-            f"timeout must be a positive, finite number of seconds, or None for no limit; got {timeout!r}"
-        )
-    if isinstance(display, str):
-        if display not in DISPLAY_CHOICES:
-            raise LaunchConfigError(f"display must be one of {', '.join(DISPLAY_CHOICES)}, got {display!r}")
-    elif not (callable(getattr(display, "on_event", None)) and callable(getattr(display, "close", None))):
-        raise LaunchConfigError(
-            f"display must be one of {', '.join(DISPLAY_CHOICES)} or an object with on_event(event) and "
-            f"close() methods; got a {type(display).__name__}"
-        )
-    check_call(function, args)
     max_restarts = _restarts(max_restarts, num_nodes, start_method)
-    _check_elastic_arguments(monitor_interval, rdzv_backend)
-    port = _port(use_port)
+    check_elastic_arguments(monitor_interval, rdzv_backend)
+    port = port_number(use_port)
     if port is None and num_nodes > 1:
         raise LaunchConfigError(
             "with num_nodes > 1, every node must agree on the port: pass the same use_port=... on every node"
@@ -253,7 +260,7 @@ def make_plan(
                 "Pass num_processes=N: e.g. num_processes=2 runs 2 CPU processes."
             )
         num_processes = gpus
-    num_processes = _positive_int("num_processes", num_processes)
+    num_processes = positive_int("num_processes", num_processes)
     device_kind = "cuda" if gpus else "cpu"
     if device_kind == "cuda" and num_processes > gpus:
         raise LaunchConfigError(
@@ -294,7 +301,7 @@ def _restarts(value: Any, num_nodes: int, start_method: Any) -> int:
     return value
 
 
-def _check_elastic_arguments(monitor_interval: Any, rdzv_backend: Any) -> None:
+def check_elastic_arguments(monitor_interval: Any, rdzv_backend: Any) -> None:
     """Accelerate's elastic-launch arguments: accepted where they mean something here."""
     if (isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float))
             or not math.isfinite(monitor_interval) or monitor_interval <= 0):
@@ -310,7 +317,7 @@ def _xla_plan(function: Callable, num_processes: Any, mixed_precision: str, mast
               requested: str | None, port: int | None) -> LaunchPlan:
     """A launch through torch_xla's xmp.spawn: every local XLA device is a rank."""
     if num_processes is not None:
-        num_processes = _positive_int("num_processes", num_processes)
+        num_processes = positive_int("num_processes", num_processes)
     xla.check_usable()
     if mixed_precision in ("fp16", "fp8"):
         raise LaunchConfigError(f"mixed_precision={mixed_precision!r} is not supported on XLA devices; use 'bf16' or 'no'")

@@ -74,6 +74,10 @@ class Supervisor:
         self._cancel_requested = False
         self._cancel_as: BaseException | None = None  # what a cancel raises instead of LaunchCancelledError
         self._stacks_requested = False
+        # Stopping because it was asked (interrupt, timeout, cancel), not because a rank failed:
+        # a rank that then loses a peer (a rank stopped a moment earlier, here or on another
+        # node) was stopped, it did not fail.
+        self._stopping_on_request = False
         self._stacks_why = "stop"  # what the next STACKS frames answer
         self._quiet = QuietWatch(QUIET_STACKS_S, time.monotonic())
         # cancel() may come from any thread: it writes here to wake the select loop.
@@ -85,13 +89,16 @@ class Supervisor:
             p = rank.pipes
             for fd, kind in ((p.stdout_fd, _FD_STDOUT), (p.stderr_fd, _FD_STDERR), (p.event_fd, _FD_EVENTS)):
                 self._selector.register(fd, selectors.EVENT_READ, (rank, kind))
-            emit(RankStarted(rank=rank.number, pid=rank.process.pid))
         for process in processes:
             if process.exit_fd is not None:
                 self._selector.register(process.exit_fd, selectors.EVENT_READ, (process, _FD_EXIT))
 
     # ----------------------------------------------------------------------------- main loop
     def run(self) -> list[Any]:
+        # Said here, not when made: whoever waits for the ranks to be up (a warm pool's first
+        # call) then finds the launch ready to take frames for them.
+        for rank in self._ranks.values():
+            self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         try:
             while self._live():
@@ -111,11 +118,15 @@ class Supervisor:
                 elif not self._stopping and (self._cancel_requested or (deadline is not None and time.monotonic() >= deadline)):
                     if not self._cancel_requested:
                         self._cancel_as = LaunchTimeoutError(self._timeout, {})
+                    self._stopping_on_request = True
                     self._stop(_STACKS_ON_STOP_S, fallback=True)
+                    if self._failures():
+                        continue  # a rank's own failure came in meanwhile: that is what is raised
                     error = self._cancel_as or LaunchCancelledError("the launch was cancelled; every rank was stopped")
                     raise LaunchTimeoutError(error.timeout, dict(self._stacks)) if isinstance(error, LaunchTimeoutError) else error
         except KeyboardInterrupt:
             if not self._stopping:
+                self._stopping_on_request = True
                 self._stop(_STACKS_ON_STOP_S, fallback=True)
             raise LaunchInterrupted("every rank was stopped; where each one was is shown above") from None
         finally:
@@ -284,6 +295,8 @@ class Supervisor:
             rank.process.cleaned = True
 
     def _fail(self, rank: WatchedRank, failure: RankFailure, when: float | None = None) -> None:
+        if self._stopping_on_request and failure.collateral:
+            return  # see _stopping_on_request
         if rank.failure is None:
             rank.failure = failure
             rank.failed_at = time.monotonic() if when is None else when
@@ -307,7 +320,7 @@ class Supervisor:
             self._emit(RankFinished(rank=rank.number, state=RankState.DONE, exitcode=code))
             return
         if rank.failure is None:
-            if process.killed_by_launcher:
+            if process.killed_by_launcher or self._stopping_on_request:
                 self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
                 return
             self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail)))
