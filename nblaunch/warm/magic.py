@@ -17,6 +17,9 @@ Example::
 
     %distributed status
     %distributed stop
+
+``--ray --nodes 2`` keeps the ranks on two nodes of the Ray cluster the notebook is connected to
+(``-n`` ranks on each).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def cell_parser() -> argparse.ArgumentParser:
     parser.add_argument("-n", "--num-processes", type=int, default=None)
     parser.add_argument("--spawn", action="store_true")
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--nodes", type=int, default=None)
+    parser.add_argument("--ray", action="store_true")
     return parser
 
 
@@ -52,7 +57,7 @@ class DistributedMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.pool: WarmRanks | None = None
-        self._spawn = False
+        self._shape: tuple = ()  # (spawn, nodes, cluster) the pool was made with
         self._defined_in_ranks: set[str] = set()  # names the ranks' cells assigned
         self._cells = 0
 
@@ -64,25 +69,28 @@ class DistributedMagics(Magics):
         try:
             options = cell_parser().parse_args(shlex.split(line))
         except (argparse.ArgumentError, SystemExit, ValueError) as error:
-            raise LaunchConfigError(f"%%distributed [-n N] [--spawn] [--timeout S]: {error}") from None
+            raise LaunchConfigError(f"%%distributed [-n N] [--spawn] [--timeout S] [--ray [--nodes K]]: {error}") from None
         filename = f"<distributed cell {self._cells + 1}>"
         compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
-        pool = self._pool_for(options.num_processes, options.spawn)
+        pool = self._pool_for(options.num_processes, (options.spawn, options.nodes or 1, "ray" if options.ray else None))
         self._cells += 1
         sent = self._names_to_send(cell)
         results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
         self._defined_in_ranks |= assigned_names(cell)
         return None if all(r is None for r in results) else results
 
-    def _pool_for(self, num_processes: int | None, spawn: bool) -> WarmRanks:
+    def _pool_for(self, num_processes: int | None, shape: tuple) -> WarmRanks:
+        """The pool for this cell: the current one, unless the cell asks for another size or kind."""
         pool = self.pool
         wanted = num_processes if num_processes is not None else (pool.num_processes if pool else None)
-        if pool is not None and (wanted != pool.num_processes or spawn != self._spawn):
+        if pool is not None and (wanted != pool.num_processes or shape != self._shape):
             pool.close()
             pool = None
         if pool is None:
-            pool = self.pool = WarmRanks(num_processes=wanted, start_method="spawn" if spawn else None)
-            self._spawn = spawn
+            spawn, nodes, cluster = shape
+            pool = self.pool = WarmRanks(num_processes=wanted, start_method="spawn" if spawn else None,
+                                         num_nodes=nodes, cluster=cluster)
+            self._shape = shape
             self._defined_in_ranks = set()
         elif not pool.alive:
             self._defined_in_ranks = set()  # a fresh pool knows nothing of the old one's names

@@ -25,8 +25,9 @@ from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, 
 from nblaunch.launch import fdtable, ipython_errors, pickling
 from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch, _unfinished
-from nblaunch.launch.payload import Payload, package
-from nblaunch.launch.plan import make_plan
+from nblaunch.launch.homes import LocalHome, RanksHome
+from nblaunch.launch.payload import Payload
+from nblaunch.launch.plan import CLUSTER_CHOICES, make_plan
 from nblaunch.warm.calls import CallRouter, CallTimedOut
 from nblaunch.worker.calls import serve_calls
 
@@ -38,6 +39,9 @@ class WarmRanks:
 
     Args:
         num_processes, mixed_precision, use_port, start_method: as for ``notebook_launcher``.
+        num_nodes, cluster: ``cluster="ray"`` keeps ``num_nodes`` nodes of ``num_processes``
+            ranks each up on the Ray cluster (as ``notebook_launcher(..., cluster="ray")``
+            places them); calls then take a few Ray round trips instead of a launch.
         display: how each call shows itself ("auto", "widget", "text", "none"); ``run`` can
             choose per call.
 
@@ -51,10 +55,11 @@ class WarmRanks:
 
     def __init__(self, num_processes: int | None = None, mixed_precision: str = "no", *,
                  use_port: int | str | None = None, start_method: str | None = None,
-                 display: str | Display = "auto") -> None:
+                 display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None) -> None:
         self._options = dict(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
-                             start_method=start_method)
+                             start_method=start_method, num_nodes=num_nodes, cluster=cluster)
         self._display = display
+        self._home: RanksHome = LocalHome()
         self._plan = self._make_plan()  # bad input is refused here, before anything starts
         if self._plan.start_method == "xla":
             raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
@@ -71,7 +76,12 @@ class WarmRanks:
 
     @property
     def num_processes(self) -> int:
+        """Ranks per node (all of them on one machine)."""
         return self._plan.num_processes
+
+    @property
+    def _num_ranks(self) -> int:
+        return self._home.rank_count(self._plan)
 
     @property
     def alive(self) -> bool:
@@ -93,7 +103,7 @@ class WarmRanks:
         ipython_errors.install()
         with self._one_call:
             call_id = next(self._ids)
-            packed = _package_call(call_id, function, args)  # refused here, before anything is sent
+            packed = self._package_call(call_id, function, args)  # refused here, before anything is sent
             try:
                 return self._call(function, call_id, packed, timeout, self._display if display is None else display)
             except BaseException as error:
@@ -121,7 +131,7 @@ class WarmRanks:
 
     def __repr__(self) -> str:
         state = "up" if self.alive else "closed" if self._closed else "not started" if self._launch is None else "ended"
-        n = self.num_processes
+        n = self._num_ranks
         return f"<WarmRanks: {n} process{'es' if n != 1 else ''}, {state}>"
 
     # -- one call ------------------------------------------------------------------------
@@ -129,8 +139,8 @@ class WarmRanks:
     def _call(self, function: Callable, call_id: int, packed: Payload, timeout: float | None,
               display: str | Display) -> list[Any]:
         launch, router = self._ensure_started()
-        call = router.begin(call_id, self.num_processes)
-        shown = make_display(display, self.num_processes)  # on the cell's thread: shows in this cell
+        call = router.begin(call_id, self._num_ranks)
+        shown = make_display(display, self._num_ranks)  # on the cell's thread: shows in this cell
         try:
             launch.clock_start = started = time.monotonic()
             start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
@@ -149,11 +159,11 @@ class WarmRanks:
                 launch.result(timeout=_CLOSE_S)  # raises the pool's error
                 raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
             elapsed = time.monotonic() - started
-            results = [call.results[r] for r in range(self.num_processes)]
-            for rank in range(self.num_processes):
+            results = [call.results[r] for r in range(self._num_ranks)]
+            for rank in range(self._num_ranks):
                 shown.on_event(RankFinished(rank=rank, state=RankState.DONE, exitcode=0))
             shown.on_event(LaunchFinished(RankState.DONE, elapsed, results=results,
-                                          summary=f"all {self.num_processes} ranks done in {elapsed:.3f} s (warm)"))
+                                          summary=f"all {self._num_ranks} ranks done in {elapsed:.3f} s (warm)"))
             return results
         finally:
             router.end(call)
@@ -181,11 +191,11 @@ class WarmRanks:
             self._raise_how_the_ranks_ended_between_calls()
         if self._ended_with is not None:
             print(f"nblaunch: the warm ranks had ended ({self._ended_with}); starting "
-                  f"{self.num_processes} fresh ones: what the old ones held is gone", file=sys.stderr)
+                  f"{self._num_ranks} fresh ones: what the old ones held is gone", file=sys.stderr)
             self._ended_with = None
             self._plan = self._make_plan()  # a fresh port
-        router = CallRouter(self.num_processes)
-        launch = Launch(self._plan, serve_calls, (), None, router)
+        router = CallRouter(self._num_ranks)
+        launch = Launch(self._plan, serve_calls, (), None, router, home=self._home)
         launch._start_in_background()
         _unfinished.discard(launch)  # warm ranks are closed quietly at exit, see _close_all
         self._launch, self._router = launch, router
@@ -209,19 +219,31 @@ class WarmRanks:
 
     def _make_plan(self) -> Any:
         o = self._options
+        if o["cluster"] not in CLUSTER_CHOICES:
+            raise LaunchConfigError(f"cluster must be None (this machine) or 'ray', got {o['cluster']!r}")
+        if o["cluster"] == "ray":
+            from nblaunch.cluster.ray_home import plan_ray_launch
+
+            plan, self._home = plan_ray_launch(serve_calls, (), o["num_processes"], o["mixed_precision"],
+                                               o["use_port"], "127.0.0.1", 0, o["num_nodes"], o["start_method"],
+                                               None, "none", 0)
+            return plan
+        if o["num_nodes"] != 1:
+            raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray', "
+                                    f"or leave num_nodes out (got num_nodes={o['num_nodes']!r})")
         return make_plan(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"], "127.0.0.1",
                          0, 1, o["start_method"], None, "none", force_cpu=False)
 
-
-def _package_call(call_id: int, function: Callable, args: tuple) -> Payload:
-    """The call for the ranks; big tensors and arrays go in memfds, as for a spawn launch."""
-    if not callable(function):
-        raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
-    try:
-        return package((call_id, function, args))
-    except Exception:
-        pickling.check_picklable(function, args)  # names the culprit
-        raise
+    def _package_call(self, call_id: int, function: Callable, args: tuple) -> Payload:
+        """The call for the ranks (big tensors and arrays in memfds on one machine, as for a
+        spawn launch)."""
+        if not callable(function):
+            raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
+        try:
+            return self._home.package((call_id, function, args))
+        except Exception:
+            pickling.check_picklable(function, args)  # names the culprit
+            raise
 
 
 _pools: "weakref.WeakSet[WarmRanks]" = weakref.WeakSet()
