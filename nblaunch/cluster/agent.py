@@ -82,7 +82,7 @@ class NodeAgent:
         sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
         self._imported.join()
         function, args = cloudpickle.loads(packed_call)
-        plan = make_plan(function, args, display=self._queue, force_cpu=False, timeout=None, **options)
+        plan = make_plan(function, args, display=self._queue, timeout=None, **options)
         self._launch = Launch(plan, function, args, None, self._queue)
         self._launch._start_in_background()
         threading.Thread(target=self._wait_for_end, name="nblaunch-agent-outcome", daemon=True).start()

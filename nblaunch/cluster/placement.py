@@ -61,9 +61,11 @@ def alive_nodes(ray: Any) -> list[dict]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
-def gpus_on_every_node(ray: Any) -> int:
-    """The fewest GPUs any live node has (0 if one has none)."""
-    return int(min((node["Resources"].get("GPU", 0) for node in alive_nodes(ray)), default=0))
+def gpus_per_node(ray: Any, num_nodes: int) -> int:
+    """GPUs each of ``num_nodes`` nodes can give (the fewest among the nodes that have most),
+    0 if fewer than ``num_nodes`` nodes have a GPU. A CPU-only head node does not count."""
+    counts = sorted((int(node["Resources"].get("GPU", 0)) for node in alive_nodes(ray)), reverse=True)
+    return counts[num_nodes - 1] if len(counts) >= num_nodes else 0
 
 
 def check_fits(ray: Any, request: NodeRequest) -> None:
@@ -109,15 +111,25 @@ def unplaced_error(ray: Any, request: NodeRequest, waited_s: float) -> LaunchCon
 
 def release(ray: Any, agents: list[Any], group: Any) -> None:
     """Kill the agents (their ranks die with them) and remove the placement group; returns once
-    Ray has them dead, so nothing of the launch is listed afterwards."""
+    Ray has them dead, so nothing of the launch is listed afterwards. Whatever happens while
+    the agents go (a second interrupt), the group is removed: it would hold the nodes."""
     from ray.util.placement_group import remove_placement_group
 
-    for agent in agents:
-        ray.kill(agent, no_restart=True)
-    # A call on a killed actor fails once it is dead: waiting for those calls waits for the deaths.
-    ray.wait([agent.where.remote() for agent in agents], num_returns=len(agents), timeout=10.0)
-    if group is not None:
-        remove_placement_group(group)  # synchronous: the GCS has removed it when this returns
+    try:
+        for agent in agents:
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:
+                pass  # already gone
+        # A call on a killed actor fails once it is dead: waiting for those calls waits for the deaths.
+        ray.wait([agent.where.remote() for agent in agents], num_returns=len(agents), timeout=10.0)
+    finally:
+        if group is not None:
+            remove_placement_group(group)  # synchronous: the GCS has removed it when this returns
+
+
+def is_placed(ray: Any, group: Any) -> bool:
+    return ray.util.placement_group_table(group).get("state") == "CREATED"
 
 
 def _available_per_node() -> dict[str, dict[str, float]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -54,11 +55,11 @@ def plan_ray_launch(function: Any, args: Any, num_processes: Any, mixed_precisio
     # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
     pickling.check_picklable(function, args)
     ray = placement.connect()
-    gpus = placement.gpus_on_every_node(ray)
+    gpus = placement.gpus_per_node(ray, num_nodes)
     if num_processes is None:
         if not gpus:
-            raise LaunchConfigError("num_processes=None uses one rank per GPU, but some node of the Ray cluster has "
-                                    "no GPU. Pass num_processes=N: N ranks per node, one CPU each.")
+            raise LaunchConfigError(f"num_processes=None uses one rank per GPU, but fewer than {num_nodes} nodes of "
+                                    "the Ray cluster have a GPU. Pass num_processes=N: N ranks per node, one CPU each.")
         num_processes = gpus
     num_processes = positive_int("num_processes", num_processes)
     if mixed_precision == "fp8" and not gpus:
@@ -74,8 +75,9 @@ def plan_ray_launch(function: Any, args: Any, num_processes: Any, mixed_precisio
         device_kind="cuda" if gpus else "cpu", threads=None, mixed_precision=mixed_precision, force_cpu=False,
         port_pinned=port is not None,
     )
+    # A CPU launch stays on the CPU on every node, GPUs or not: Ray reserved none for it.
     node_options = dict(num_processes=num_processes, mixed_precision=mixed_precision, num_nodes=num_nodes,
-                        start_method=start_method)
+                        start_method=start_method, force_cpu=not gpus)
     return plan, RayHome(ray, request, node_options)
 
 
@@ -106,6 +108,8 @@ class RayHome:
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        started = time.monotonic()  # the launch's timeout covers placing and starting too
+
         name = f"nblaunch-{uuid.uuid4().hex[:8]}"
         group = placement.reserve(ray, self._request, name)
         agents: list[Any] = []
@@ -129,7 +133,8 @@ class RayHome:
                 for index, agent in enumerate(agents)
             ]
             self._get(starts, "could not start its ranks")
-            yield RayWatcher(agents, plan.num_processes, emit, timeout)
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+            yield RayWatcher(agents, plan.num_processes, emit, left)
         finally:
             placement.release(ray, agents, group)
 
@@ -138,8 +143,7 @@ class RayHome:
         asked = [agent.where.remote() for agent in agents]
         ready, _ = self._ray.wait(asked, num_returns=len(asked), timeout=placement.WAIT_FOR_PLACEMENT_S)
         if len(ready) < len(asked):
-            placed, _ = self._ray.wait([group.ready()], timeout=0)
-            if not placed:
+            if not placement.is_placed(self._ray, group):
                 raise placement.unplaced_error(self._ray, self._request, placement.WAIT_FOR_PLACEMENT_S)
         where = self._get(asked, "did not start")
         for index, (address, _, version) in enumerate(where):

@@ -73,9 +73,15 @@ class RayWatcher:
 
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         stopping: str | None = None  # why every node is being stopped: "failure", "timeout", "cancel"
+        stop_backstop = None
         try:
             while any(node.outcome is None for node in self._nodes):
                 self._pump(ray)
+                if stop_backstop is None and stopping is not None:
+                    stop_backstop = time.monotonic() + _STOP_BACKSTOP_S
+                if stop_backstop is not None and time.monotonic() > stop_backstop:
+                    for node in self._live():  # its agent is killed on the way out
+                        self._lose(node, TimeoutError(f"its node did not stop within {_STOP_BACKSTOP_S:g} s"))
                 if self._stacks_requested:
                     self._stacks_requested = False
                     for node in self._live():
@@ -104,10 +110,11 @@ class RayWatcher:
             raise LaunchTimeoutError(self._timeout or 0.0, dict(self._stacks))
         if stopping == "cancel":
             raise self._cancel_as or LaunchCancelledError("the launch was cancelled; every rank was stopped")
-        for node in self._nodes:
-            if node.outcome[0] != "done":  # its launch broke without a rank to blame
-                raise RuntimeError(f"node {node.index}'s launch ended without results: {node.outcome[1]}")
-        return [value for node in self._nodes for value in cloudpickle.loads(node.outcome[1])]
+        broken = [node for node in self._nodes if node.outcome[0] != "done"]
+        if broken:  # a node's launch broke without a rank to blame: the one not told to stop says why
+            node = min(broken, key=lambda n: n.asked_to_stop)
+            raise RuntimeError(f"node {node.index}'s launch ended without results: {node.outcome[1]}")
+        return [value for node in self._nodes for value in _loaded_results(node)]
 
     # ------------------------------------------------------------------ the streams
     def _live(self) -> list[_Node]:
@@ -127,8 +134,12 @@ class RayWatcher:
             node.pending = None
             try:
                 events, outcome = ray.get(ref)
-            except Exception as error:  # the agent died: its node, its ranks, or Ray lost it
+            except ray.exceptions.RayActorError as error:  # the agent died: its node, or Ray lost it
                 self._lose(node, error)
+                continue
+            except Exception as error:  # its events could not be read here (a value only its node can load)
+                node.agent.cancel.remote("stop")
+                self._lose(node, error, "its node's events could not be loaded here")
                 continue
             for event in events:
                 self._show(node, event)
@@ -157,9 +168,10 @@ class RayWatcher:
                 self._shown_failed.append(event.rank)
         self._emit(event)
 
-    def _lose(self, node: _Node, error: BaseException) -> None:
-        """The agent is gone: every rank of its node that had not finished failed with it."""
-        reason = f"its node's nblaunch agent was lost ({_first_line(error)})"
+    def _lose(self, node: _Node, error: BaseException, what: str = "its node's nblaunch agent was lost") -> None:
+        """The agent is gone (or unreadable): every rank of its node that had not finished
+        failed with it. Its agent is killed when the launch's nodes are released."""
+        reason = f"{what} ({_first_line(error)})"
         local = [r - node.first_rank for r in node.ranks if r not in node.finished]
         node.outcome = ("lost", [(RankFailure(r, reason), None) for r in local])
         for r in local:
@@ -210,6 +222,16 @@ def _rebuilt(node: _Node, failure: RankFailure, exception: bytes | None) -> Rank
         loaded.__cause__ = RemoteTraceback(failure.traceback)
     failure.exception = loaded
     return failure
+
+
+def _loaded_results(node: _Node) -> list[Any]:
+    try:
+        return cloudpickle.loads(node.outcome[1])
+    except Exception as error:
+        raise RuntimeError(
+            f"the results of node {node.index} could not be loaded here ({_first_line(error)}): return values this "
+            "machine can load (plain Python values, CPU tensors)"
+        ) from None
 
 
 def _first_line(error: BaseException) -> str:

@@ -74,9 +74,8 @@ class Supervisor:
         self._cancel_requested = False
         self._cancel_as: BaseException | None = None  # what a cancel raises instead of LaunchCancelledError
         self._stacks_requested = False
-        # Stopping because it was asked (interrupt, timeout, cancel), not because a rank failed:
-        # a rank that then loses a peer (a rank stopped a moment earlier, here or on another
-        # node) was stopped, it did not fail.
+        # Stopping as asked (interrupt, timeout, cancel): a rank that then loses a peer stopped a
+        # moment earlier (here or on another node) was stopped, it did not fail.
         self._stopping_on_request = False
         self._stacks_why = "stop"  # what the next STACKS frames answer
         self._quiet = QuietWatch(QUIET_STACKS_S, time.monotonic())
@@ -95,8 +94,8 @@ class Supervisor:
 
     # ----------------------------------------------------------------------------- main loop
     def run(self) -> list[Any]:
-        # Said here, not when made: whoever waits for the ranks to be up (a warm pool's first
-        # call) then finds the launch ready to take frames for them.
+        # Said here, not when made: whoever waits for the ranks (a warm pool's first call) then
+        # finds the launch holding this supervisor, ready to take frames for them.
         for rank in self._ranks.values():
             self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
@@ -120,8 +119,8 @@ class Supervisor:
                         self._cancel_as = LaunchTimeoutError(self._timeout, {})
                     self._stopping_on_request = True
                     self._stop(_STACKS_ON_STOP_S, fallback=True)
-                    if self._failures():
-                        continue  # a rank's own failure came in meanwhile: that is what is raised
+                    if self._failures() and not isinstance(self._cancel_as, LaunchTimeoutError):
+                        continue  # a rank's own failure came in while cancelling: that is what is raised
                     error = self._cancel_as or LaunchCancelledError("the launch was cancelled; every rank was stopped")
                     raise LaunchTimeoutError(error.timeout, dict(self._stacks)) if isinstance(error, LaunchTimeoutError) else error
         except KeyboardInterrupt:
@@ -150,8 +149,7 @@ class Supervisor:
             rank.pipes.send(kind, body, shared)
 
     def request_stacks(self) -> None:
-        """Ask every live rank where it is, without stopping anything; the answers come as
-        ``Stacks(why="asked")`` events. Safe from any thread."""
+        """Ask every live rank where it is (answers: ``Stacks(why="asked")``). Any thread."""
         self._stacks_requested = True
         self._wake()
 
