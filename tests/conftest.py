@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
@@ -23,6 +24,14 @@ def _step_an_optimizer_once() -> None:
 
 
 _step_an_optimizer_once()
+
+
+# A shell that starts a command in the background without job control (`cmd &`, nohup) starts it
+# with SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the tests that
+# interrupt a launch, as a kernel's interrupt button does, would wait for an interrupt that never
+# comes. A kernel always handles SIGINT; so does the test process.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def leftover_ranks(since: float) -> list[psutil.Process]:

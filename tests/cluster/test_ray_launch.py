@@ -139,8 +139,8 @@ class InterruptWhenReady:
 
 def test_an_interrupt_shows_every_ranks_stack_then_stops_every_node(recorder):
     assert threading.current_thread() is threading.main_thread()
-    with pytest.raises(LaunchInterrupted):
-        notebook_launcher(wait_forever, display=InterruptWhenReady(recorder, 4), **RAY)
+    with pytest.raises(LaunchInterrupted):  # timeout: a lost interrupt fails the test, never hangs it
+        notebook_launcher(wait_forever, display=InterruptWhenReady(recorder, 4), timeout=120, **RAY)
 
     stacks = {e.rank: e.text for e in recorder.of(Stacks)}
     assert sorted(stacks) == [0, 1, 2, 3]
