@@ -37,7 +37,7 @@ _TRAINING_NAMES = {
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
-    "DataLoaderDispatcher", "LocalSGD",
+    "DataLoaderDispatcher", "LocalSGD", "FullyShardedDataParallelPlugin",
 }
 
 
@@ -72,6 +72,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "ProfileKwargs",
     "DDPCommunicationHookType",
+    "FullyShardedDataParallelPlugin",
     "AcceleratorState",
     "prepare_data_loader",
     "SeedableRandomSampler",

@@ -22,6 +22,7 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                                       InitProcessGroupKwargs, ProfileKwargs)
 from nblaunch.training.data import skip_first_batches
+from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.ops import (DistributedOperationException, broadcast, broadcast_object_list,
                                    copy_tensor_to_devices, gather, gather_object, pad_across_processes,
                                    recursively_apply, reduce, send_to_device)
@@ -29,7 +30,7 @@ from nblaunch.training.seed import set_seed, synchronize_rng_states
 from nblaunch.training.state import DistributedType
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "DDPCommunicationHookType", "DistributedDataParallelKwargs",
+    "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType", "DistributedDataParallelKwargs",
     "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DistributedType", "DistributedOperationException",
     "broadcast", "broadcast_object_list", "copy_tensor_to_devices", "gather", "gather_object", "pad_across_processes", "recursively_apply",

@@ -23,6 +23,7 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                                       InitProcessGroupKwargs, ProfileKwargs)
 from nblaunch.training.data import skip_first_batches
+from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gather_object,
                                    pad_across_processes, reduce, send_to_device)
 from nblaunch.training.seed import set_seed
@@ -35,7 +36,7 @@ from nblaunch.training.state import (AcceleratorState, DistributedType, PartialS
 __all__ = [
     "Accelerator", "PartialState", "AcceleratorState", "GradientState", "DistributedType", "reset_process_state",
     "prepare_data_loader", "SeedableRandomSampler", "DataLoaderDispatcher", "LocalSGD",
-    "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
+    "DataLoaderConfiguration", "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "set_seed", "skip_first_batches",
     "gather", "gather_object", "reduce", "pad_across_processes", "broadcast",

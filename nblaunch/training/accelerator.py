@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from nblaunch.training import profiling, uneven
 from nblaunch.training.accelerator_collectives import CollectiveMethods
@@ -42,9 +41,13 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                       ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.data import PreparedDataLoader
+from nblaunch.training.fsdp import total_norm
+from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin, ShardingSettings, sharding_settings
 from nblaunch.training.gradient_state import GradientState
+from nblaunch.training.gradient_sync import paused_gradient_sync
 from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
-from nblaunch.training.precision import (AutocastForward, autocast_dtype, check_supported,
+from nblaunch.training.placement import ReplacedParameters
+from nblaunch.training.precision import (autocast_dtype, check_supported,
                                          make_grad_scaler, resolve_mixed_precision)
 from nblaunch.training.state import AcceleratorState, DistributedType
 
@@ -52,7 +55,7 @@ __all__ = ["Accelerator"]
 
 
 # Accelerate arguments for features nblaunch does not have: refused when actually used.
-_UNSUPPORTED = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
+_UNSUPPORTED = ("deepspeed_plugin", "megatron_lm_plugin", "torch_tp_plugin",
                 "parallelism_config", "dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
 _IGNORED = ("log_with", "project_config", "downcast_bf16", "logging_dir")
@@ -83,6 +86,8 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
         project_dir: default directory of ``save_state`` / ``load_state``.
         rng_types: RNGs given rank 0's state at the start of every epoch of a prepared loader
             (Accelerate's; default ``["generator"]``, the shuffle's own generator).
+        fsdp_plugin: a :class:`~nblaunch.utils.FullyShardedDataParallelPlugin` (or Accelerate's):
+            ``prepare`` shards models with FSDP2 instead of wrapping them in DDP.
 
     Example::
 
@@ -105,6 +110,7 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
         even_batches: bool | None = None,
         project_dir: str | os.PathLike | None = None,
         rng_types: list[str] | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | Any = None,
         **kwargs: Any,
     ) -> None:
         for name, value in kwargs.items():
@@ -123,6 +129,13 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
         self.mixed_precision: str = resolve_mixed_precision(mixed_precision)
         check_supported(self.mixed_precision, self.device)
         self._autocast_dtype = autocast_dtype(self.mixed_precision)
+        self.fsdp_plugin = fsdp_plugin
+        self._sharding: ShardingSettings | None = None
+        if fsdp_plugin is not None:
+            if self.state.distributed_type is DistributedType.XLA:
+                raise NotImplementedError("fsdp_plugin is not supported on XLA devices by nblaunch")
+            self._sharding = sharding_settings(fsdp_plugin, self.mixed_precision)  # refuses before any step
+        self.state.fsdp_plugin = fsdp_plugin
 
         config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
         refuse_unsupported(config)
@@ -176,6 +189,7 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
         self._custom_objects: list[Any] = []
+        self._replaced_parameters = ReplacedParameters()
         self._trigger = False
         self.trackers: list[Any] = []
         self._accumulate_context: Accumulate | None = None
@@ -196,7 +210,14 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
 
     @property
     def distributed_type(self) -> DistributedType:
+        if self._sharding is not None and self.state.num_processes > 1:
+            return DistributedType.FSDP
         return self.state.distributed_type
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True when ``prepare`` shards models (an ``fsdp_plugin`` was given): always FSDP2 here."""
+        return self._sharding is not None
 
     @property
     def use_distributed(self) -> bool:
@@ -296,14 +317,10 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
         """Context: the next backward of ``model`` all-reduces, even in an accumulating step."""
         return uneven.trigger_sync_in_backward(model)
 
-    @contextlib.contextmanager
-    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """DDP's ``no_sync`` for a prepared model (nothing for an unwrapped one)."""
-        if isinstance(model, DistributedDataParallel):
-            with model.no_sync():
-                yield
-        else:
-            yield
+    def no_sync(self, model: torch.nn.Module) -> Any:
+        """Context: no gradient reduction in its backward passes (DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``); nothing for an unwrapped model."""
+        return paused_gradient_sync(model)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """Autocast context of the configured mixed precision (a null context for ``"no"``)."""
@@ -338,10 +355,11 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Unscale (fp16) or average over the XLA devices, then
-        ``torch.nn.utils.clip_grad_norm_``; returns the total norm."""
+        ``torch.nn.utils.clip_grad_norm_``; returns the total norm (over every rank's shards
+        for a sharded model)."""
         parameters = list(parameters)
         self._finish_gradients(parameters)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return total_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         parameters = list(parameters)
@@ -360,19 +378,6 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
         ids = {id(p) for p in parameters}
         return [opt for opt in self._optimizers
                 if any(id(p) in ids for g in opt.param_groups for p in g["params"])]
-
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's model out of DDP (and torch.compile); without the autocast forward if asked."""
-        while True:
-            if isinstance(model, DistributedDataParallel):
-                model = model.module
-            elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
-                model = model._orig_mod
-            else:
-                break
-        if not keep_fp32_wrapper and isinstance(model.__dict__.get("forward"), AutocastForward):
-            del model.__dict__["forward"]
-        return model
 
 
 def _group_arguments(group: InitProcessGroupKwargs | None) -> dict[str, Any]:

@@ -51,6 +51,11 @@ class PersistenceMethods:
             self._custom_objects.append(obj)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The model's state dict, unwrapped. For a sharded (FSDP) model: the whole weights on the
+        CPU of the main process, an empty dict on the others; call it on every process."""
+        from nblaunch.training.fsdp import full_state_dict, is_sharded
+        if is_sharded(model):
+            return full_state_dict(model)
         return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
@@ -118,6 +123,7 @@ class PersistenceMethods:
         self._schedulers.clear()
         self._dataloaders.clear()
         self._custom_objects.clear()
+        self._replaced_parameters.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

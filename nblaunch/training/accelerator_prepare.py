@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from nblaunch.training import placement
 from nblaunch.training.data import PreparedDataLoader, skip_first_batches
 from nblaunch.training.ddp import wrap_ddp
+from nblaunch.training.fsdp import is_sharded, shard_model, sharded_model_of
 from nblaunch.training.loaders import build_prepared_loader
 from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.precision import AutocastForward
@@ -39,17 +40,11 @@ class PrepareMethods:
         elif len(device_placement) != len(args):
             raise ValueError("device_placement needs one entry per object")
         results: list[Any] = list(args)
-        # Models first: optimizers need their moved parameters. Schedulers last: they need the
-        # prepared optimizers.
-        models = [i for i, obj in enumerate(args) if isinstance(obj, torch.nn.Module)]
-        before = [dict(args[i].named_parameters()) for i in models] if self._on_xla else []
-        for i in models:
-            results[i] = self.prepare_model(args[i], device_placement=device_placement[i])
-        if before:
-            moved = placement.moved_parameters(before, [results[i] for i in models])
-            for obj in args:
-                if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
-                    placement.switch_parameters(obj, moved)
+        # Models first: optimizers need their new parameters (XLA, FSDP). Schedulers last: they
+        # need the prepared optimizers.
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.nn.Module):
+                results[i] = self.prepare_model(obj, device_placement=device_placement[i])
         for i, (obj, place) in enumerate(zip(args, device_placement)):
             if not isinstance(obj, torch.nn.Module) and not _is_scheduler(obj):
                 results[i] = self._prepare_one(obj, place)
@@ -67,22 +62,36 @@ class PrepareMethods:
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """Move to the device, wrap the forward in autocast (mixed precision), wrap in DDP.
+        """Move to the device, wrap the forward in autocast (mixed precision), wrap in DDP, or
+        shard it with FSDP2 when the Accelerator has an ``fsdp_plugin``.
 
-        DDP is used only with more than one process and trainable parameters (and not with
-        ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients there).
+        DDP and FSDP are used only with more than one process and trainable parameters (and not
+        with ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients
+        there). Moving to XLA and sharding make new parameters: an optimizer prepared after is
+        pointed at them.
         """
         if any(model is m for m in self._models) or isinstance(model, DistributedDataParallel):
             return model
+        if is_sharded(model):  # sharded by the user: saved and loaded with the others
+            self._models.append(model)
+            return model
         if device_placement is None:
             device_placement = self.device_placement
-        if device_placement:
+        distribute = (self.num_processes > 1 and not evaluation_mode and not self._on_xla
+                      and any(p.requires_grad for p in model.parameters()))
+        shard = distribute and self._sharding is not None
+        before = dict(model.named_parameters())
+        if device_placement and not shard:  # sharding moves one unit at a time, or offloads
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
         if self._autocast_dtype is not None and not isinstance(model.__dict__.get("forward"), AutocastForward):
             model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
-        if (self.num_processes > 1 and not evaluation_mode and not self._on_xla
-                and any(p.requires_grad for p in model.parameters())):
+        if shard:
+            model = shard_model(model, self._sharding, self.device)
+        elif distribute:
             model = wrap_ddp(model, self.device, self.ddp_options)
+        self._replaced_parameters.record(before, model)
+        for prepared in self._optimizers:  # prepared before their model
+            self._replaced_parameters.switch(prepared.optimizer)
         self._models.append(model)
         return model
 
@@ -102,6 +111,8 @@ class PrepareMethods:
                 return opt
         if device_placement is None:
             device_placement = self.device_placement
+        self._replaced_parameters.switch(optimizer)
+        sharded_model_of(self._models, optimizer)  # refuses one over a sharded model and more
         if device_placement and self._on_xla:
             placement.check_on_xla(optimizer)
         if device_placement and self.device.type != "cpu" and optimizer.state:
@@ -146,6 +157,23 @@ class PrepareMethods:
             dispatch_batches=config.dispatch_batches)
         self._dataloaders.append(prepared)
         return prepared
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's model out of DDP (and torch.compile); without the autocast forward if asked.
+
+        A sharded model is the user's model itself (FSDP2 shards in place), its parameters shards:
+        ``get_state_dict(model)`` gives its whole weights.
+        """
+        while True:
+            if isinstance(model, DistributedDataParallel):
+                model = model.module
+            elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
+                model = model._orig_mod
+            else:
+                break
+        if not keep_fp32_wrapper and isinstance(model.__dict__.get("forward"), AutocastForward):
+            del model.__dict__["forward"]
+        return model
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """Iterate ``dataloader`` from batch ``num_batches`` of the epoch (see ``data.skip_first_batches``)."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from torch.nn.parallel import DistributedDataParallel
-
 from nblaunch.training.gradient_state import GradientState
+from nblaunch.training.gradient_sync import paused_gradient_sync, syncs_gradients
 
 
 class Accumulate:
@@ -37,13 +36,13 @@ class Accumulate:
             return
         gs.sync_gradients = False
         if self.sync_each_batch:
-            return  # DDP all-reduces as usual; only the optimizer waits for the last micro-step
+            return  # gradients are reduced as usual; only the optimizer waits for the last micro-step
         stack = None
         for model in self.models:
-            if isinstance(model, DistributedDataParallel):
+            if syncs_gradients(model):
                 if stack is None:
                     stack = contextlib.ExitStack()
-                stack.enter_context(model.no_sync())
+                stack.enter_context(paused_gradient_sync(model))
         self.stack = stack
 
     def __exit__(self, *exc: Any) -> None:

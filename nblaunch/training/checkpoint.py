@@ -8,6 +8,9 @@ Layout of a checkpoint directory (files of the main process unless marked per ra
     scaler.pt                            the fp16 GradScaler
     custom_checkpoint_0.pkl, ...         objects passed to register_for_checkpointing
     rank_{r}.pkl                         per rank: RNG states, data positions, accumulation step
+    sharded_model/, sharded_optimizer/   a sharded (FSDP) model and its optimizer, instead of
+                                         model.bin/optimizer.bin: every rank writes its shards
+                                         through torch.distributed.checkpoint
 
 The data position of every prepared DataLoader (epoch, shuffle seed, batches consumed) is
 restored too, so the next ``for batch in loader`` continues the interrupted epoch exactly.
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from nblaunch.training import xla
+from nblaunch.training.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
 from nblaunch.training.seed import get_rng_states, set_rng_states
 from nblaunch.training.state import DistributedType, PartialState
 
@@ -61,17 +65,59 @@ def host_saver(state: PartialState) -> Callable[[Any, Any], None]:
     return save
 
 
+def _sharded_dir(output_dir: str, stem: str, i: int) -> str:
+    return os.path.join(output_dir, f"sharded_{stem}" if i == 0 else f"sharded_{stem}_{i}")
+
+
+def _sharded_model_of(acc: "Accelerator", optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+    return sharded_model_of(acc._models, optimizer)
+
+
+def _save_sharded(acc: "Accelerator", output_dir: str) -> None:
+    """Every rank writes its shards of the sharded models and their optimizers (collectives)."""
+    import torch.distributed.checkpoint as dcp
+    for i, model in enumerate(acc._models):
+        if is_sharded(model):
+            dcp.save(sharded_state(model), checkpoint_id=_sharded_dir(output_dir, "model", i))
+    for i, opt in enumerate(acc._optimizers):
+        model = _sharded_model_of(acc, opt.optimizer)
+        if model is not None:
+            dcp.save(sharded_state(model, opt.optimizer), checkpoint_id=_sharded_dir(output_dir, "optimizer", i))
+
+
+def _load_sharded(acc: "Accelerator", input_dir: str, strict: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    for i, model in enumerate(acc._models):
+        if is_sharded(model):
+            path = _sharded_dir(input_dir, "model", i)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"{input_dir!r} has no {os.path.basename(path)}/: it was saved from a model "
+                                        "that was not sharded (no fsdp_plugin, or one process); load it the same way")
+            state = sharded_state(model)
+            dcp.load(state, checkpoint_id=path)
+            load_sharded_state(model, state, strict=strict)
+    for i, opt in enumerate(acc._optimizers):
+        model = _sharded_model_of(acc, opt.optimizer)
+        if model is not None:
+            state = sharded_state(model, opt.optimizer)
+            dcp.load(state, checkpoint_id=_sharded_dir(input_dir, "optimizer", i))
+            load_sharded_state(model, state, optimizer=opt.optimizer)
+
+
 def save_state(acc: "Accelerator", output_dir: str | os.PathLike) -> str:
     output_dir = os.fspath(output_dir)
     state = acc.state
     rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
     save = host_saver(state)
+    _save_sharded(acc, output_dir)
     if state.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         for i, model in enumerate(acc._models):
-            save(acc.get_state_dict(model), os.path.join(output_dir, _name("model", i, "bin")))
+            if not is_sharded(model):
+                save(acc.get_state_dict(model), os.path.join(output_dir, _name("model", i, "bin")))
         for i, opt in enumerate(acc._optimizers):
-            save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
+            if _sharded_model_of(acc, opt.optimizer) is None:
+                save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
         for i, sched in enumerate(acc._schedulers):
             save(sched.scheduler.state_dict(), os.path.join(output_dir, _name("scheduler", i, "bin")))
         if acc.scaler is not None:
@@ -105,12 +151,19 @@ def load_state(acc: "Accelerator", input_dir: str | os.PathLike, strict: bool = 
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"checkpoint directory {input_dir!r} does not exist")
     device = acc.device
+    _load_sharded(acc, input_dir, strict)
     for i, model in enumerate(acc._models):
-        sd = _load(os.path.join(input_dir, _name("model", i, "bin")), "cpu")
-        acc.unwrap_model(model).load_state_dict(sd, strict=strict)
+        if not is_sharded(model):
+            path = os.path.join(input_dir, _name("model", i, "bin"))
+            if not os.path.exists(path) and os.path.isdir(_sharded_dir(input_dir, "model", i)):
+                raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with fsdp_plugin on several "
+                                        "ranks): load it the same way")
+            sd = _load(path, "cpu")
+            acc.unwrap_model(model).load_state_dict(sd, strict=strict)
     for i, opt in enumerate(acc._optimizers):
-        # Optimizer.load_state_dict moves the state onto each parameter's device.
-        opt.optimizer.load_state_dict(_load(os.path.join(input_dir, _name("optimizer", i, "bin")), "cpu"))
+        if _sharded_model_of(acc, opt.optimizer) is None:
+            # Optimizer.load_state_dict moves the state onto each parameter's device.
+            opt.optimizer.load_state_dict(_load(os.path.join(input_dir, _name("optimizer", i, "bin")), "cpu"))
     for i, sched in enumerate(acc._schedulers):
         sched.scheduler.load_state_dict(_load(os.path.join(input_dir, _name("scheduler", i, "bin")), "cpu"))
     scaler_path = os.path.join(input_dir, "scaler.pt")

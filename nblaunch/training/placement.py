@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -25,36 +27,59 @@ def move_keeping_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.
     return model
 
 
-def moved_parameters(before: list[dict[str, torch.nn.Parameter]],
-                      after: list[torch.nn.Module]) -> dict[int, torch.nn.Parameter]:
-    """``id(old parameter) -> new parameter`` for models whose parameters were replaced.
+class ReplacedParameters:
+    """Which parameters preparing models replaced (moving to XLA, sharding with FSDP2), so that
+    an optimizer made on the old ones can be pointed at the new ones.
 
-    Moving a model to an XLA device makes new ``Parameter`` objects (a CPU and an XLA tensor
-    cannot share one), so an optimizer made before still points at the CPU ones.
-    """
-    moved = {}
-    for old, model in zip(before, after):
-        new = dict(model.named_parameters())
-        for name, param in old.items():
-            if name in new and new[name] is not param:
-                moved[id(param)] = new[name]
-    return moved
-
-
-def switch_parameters(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> None:
-    """Point ``optimizer`` (its groups and its state) at the moved parameters.
+    Parameters are held weakly: the record keeps neither the old ones nor the new ones alive.
 
     Example::
 
-        moved = moved_parameters([dict(model.named_parameters())], [model.to(xla_device)])
-        switch_parameters(optimizer, moved)
+        replaced = ReplacedParameters()
+        before = dict(model.named_parameters())
+        model = model.to(xla_device)
+        replaced.record(before, model)
+        replaced.switch(optimizer)          # its groups and state now hold the moved parameters
     """
-    if not moved:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [moved.get(id(p), p) for p in group["params"]]
-    for old in [p for p in optimizer.state if id(p) in moved]:
-        optimizer.state[moved[id(old)]] = optimizer.state.pop(old)
+
+    def __init__(self) -> None:
+        self._new: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+    def record(self, before: dict[str, torch.nn.Parameter], model: torch.nn.Module) -> None:
+        after = dict(model.named_parameters())
+        for name, old in before.items():
+            new = after.get(name)
+            if new is not None and new is not old:
+                self._new[id(old)] = (weakref.ref(old), weakref.ref(new))
+
+    def _replacement(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The parameter that replaced ``param``, or ``param`` itself."""
+        entry = self._new.get(id(param))
+        new = entry[1]() if entry is not None and entry[0]() is param else None
+        return param if new is None else new
+
+    def clear(self) -> None:
+        self._new.clear()
+
+    def switch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer``'s groups and state at the new parameters."""
+        if not self._new:
+            return
+        for group in optimizer.param_groups:
+            group["params"] = [self._replacement(p) for p in group["params"]]
+        for old in [p for p in optimizer.state if self._replacement(p) is not p]:
+            new = self._replacement(old)
+            if _is_shard(new):
+                raise ValueError(
+                    "the optimizer has already stepped on the model's unsharded parameters: its state "
+                    "cannot follow them into shards. Prepare the model before training, and its "
+                    "optimizer with it: accelerator.prepare(model, optimizer, ...)")
+            optimizer.state[new] = optimizer.state.pop(old)
+
+
+def _is_shard(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(param, DTensor)
 
 
 def check_on_xla(optimizer: torch.optim.Optimizer) -> None:

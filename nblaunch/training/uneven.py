@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nblaunch.training.gradient_sync import forced_gradient_sync
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 
 
@@ -53,9 +54,10 @@ def join_uneven_inputs(joinables: list[Any], loaders: list[Any], distributed: bo
 @contextlib.contextmanager
 def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
     """Make the next backward of a DDP ``model`` all-reduce, even inside ``no_sync`` or an
-    accumulating micro-step (for several forwards before one backward)."""
+    accumulating micro-step (for several forwards before one backward); FSDP2's likewise."""
     if not isinstance(model, DistributedDataParallel):
-        yield
+        with forced_gradient_sync(model):
+            yield
         return
     saved = model.require_backward_grad_sync, model.require_forward_param_sync
     model.require_backward_grad_sync = True

@@ -14,7 +14,7 @@ import torch
 
 from nblaunch.training import DistributedType, PartialState
 from nblaunch.training import xla as xla_backend
-from nblaunch.training.placement import move_keeping_ties, moved_parameters, switch_parameters
+from nblaunch.training.placement import ReplacedParameters, move_keeping_ties
 from nblaunch.training.precision import check_supported
 
 
@@ -88,12 +88,14 @@ def test_an_optimizer_follows_its_parameters_when_the_model_gets_new_ones():
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()  # now it has state, keyed by the old parameters
-    before = [dict(model.named_parameters())]
+    before = dict(model.named_parameters())
     old_weight = model.weight
     # What moving to an XLA device does: new Parameter objects under the same names.
     model.weight = torch.nn.Parameter(model.weight.detach().clone())
     model.bias = torch.nn.Parameter(model.bias.detach().clone())
-    switch_parameters(optimizer, moved_parameters(before, [model]))
+    replaced = ReplacedParameters()
+    replaced.record(before, model)
+    replaced.switch(optimizer)
     params = optimizer.param_groups[0]["params"]
     assert params[0] is model.weight and params[1] is model.bias
     assert model.weight in optimizer.state and old_weight not in optimizer.state
