@@ -411,3 +411,22 @@ def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive)
     # the second training cell went on from the first: epochs 3 and 4 on the same model
     later = str(cell(interactive, 'group["lr"] = 5e-4').outputs)
     assert "epoch 3: loss" in later and "epoch 4: loss" in later
+
+
+# --------------------------------------------------------------------------- 06 FSDP
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    return execute("06_fsdp.ipynb", tmp_path_factory.mktemp("fsdp"))
+
+
+def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
+    no_errors_except_tagged(fsdp)
+    held = re.findall(r"rank (\d) holds [\d.]+ MiB: (\d+)% of parameters", stream(cell(fsdp, "whole = 3 *")))
+    assert [rank for rank, _ in held] == ["0", "1"]
+    assert all(45 <= int(share) <= 55 for _, share in held), held
+    predicted = stream(cell(fsdp, "model.load_state_dict"))
+    assert int(predicted.split("predicts ")[1].split("%")[0]) >= 90, predicted
+    before, after = map(float, re.findall(r"[\d.]+", stream(cell(fsdp, "more = notebook_launcher"))))
+    assert after < before
