@@ -113,7 +113,8 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _start_method(requested: str | None, force_cpu: bool) -> tuple[str, str]:
+def start_method_for(requested: str | None, force_cpu: bool) -> tuple[str, str]:
+    """How ranks would start here, and why: ``("fork", "the quickest start: ...")``."""
     if requested is not None and requested not in START_METHODS:
         raise LaunchConfigError(f"start_method must be None (choose for me), 'fork', 'spawn' or 'xla', got {requested!r}")
     cuda_in_parent = not force_cpu and devices.cuda_initialized()
@@ -270,7 +271,7 @@ def make_plan(
     if mixed_precision == "fp8" and device_kind != "cuda":
         raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs; on the CPU use 'bf16' or 'no'")
     check_open_files(num_processes)
-    method, reason = _start_method(start_method, force_cpu)
+    method, reason = start_method_for(start_method, force_cpu)
     master_port = ports.choose_port(master_addr, port, hosted_here=node_rank == 0)
     return LaunchPlan(
         function_name=getattr(function, "__qualname__", None) or repr(function),

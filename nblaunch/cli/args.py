@@ -1,0 +1,36 @@
+"""Argument types shared by the sub-commands: their errors read as usage errors (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _whole_number(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
+
+
+def at_least_one(text: str) -> int:
+    """A whole number >= 1: ``--num-processes 2``."""
+    return _whole_number(text, 1)
+
+
+def at_least_zero(text: str) -> int:
+    """A whole number >= 0: ``--node-rank 0``, ``--max-restarts 0``."""
+    return _whole_number(text, 0)
+
+
+def seconds(text: str) -> float:
+    """A positive number of seconds: ``--timeout 600``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value

@@ -1,0 +1,60 @@
+"""``nblaunch env``: what a bug report needs, as a list to paste: versions, devices, and the
+start method a launch here would use, and why."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import sys
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    commands.add_parser("env", help="print versions and devices for a bug report",
+                        description="Versions of Python, torch, CUDA/NCCL or XLA, the notebook stack and "
+                                    "Accelerate, the devices, and the start method a launch would use.")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report() -> list[tuple[str, str]]:
+    """(name, value) pairs, in the order they are printed."""
+    import torch
+
+    from nblaunch import __version__
+    from nblaunch.launch import devices, xla
+    from nblaunch.launch.plan import start_method_for
+
+    rows = [("nblaunch", __version__), ("Python", sys.version.split()[0]),
+            ("Platform", platform.platform()), ("CPU cores", str(os.cpu_count())),
+            ("torch", torch.__version__)]
+    gpus = devices.cuda_device_count()
+    if torch.version.cuda:
+        rows.append(("CUDA (torch built with)", torch.version.cuda))
+    if gpus:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+        rows += [("GPUs", f"{gpus}: {names}"), ("NCCL", nccl)]
+    else:
+        rows.append(("GPUs", "none visible"))
+    rows.append(("torch_xla", _version("torch_xla")))
+    if xla.tpu_markers():
+        rows.append(("TPU", "this host has TPU markers: launches use torch_xla"))
+    for package in ("accelerate", "transformers", "ipywidgets", "ipykernel", "ipython", "cloudpickle", "ray"):
+        rows.append((package, _version(package)))
+    method, why = start_method_for(None, force_cpu=False)
+    rows.append(("start method", f"{method}: {why}"))
+    return rows
+
+
+def run(options: argparse.Namespace) -> int:
+    print("Copy this into your bug report:\n")
+    for name, value in report():
+        print(f"- {name}: {value}")
+    return 0

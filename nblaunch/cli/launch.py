@@ -1,0 +1,144 @@
+"""``nblaunch launch [options] script.py [script args]`` (or ``-m module``): every rank runs the
+script as ``__main__`` under nblaunch's supervision, as a notebook launch runs a function.
+
+The flags a user of ``accelerate launch`` or ``torchrun`` types are understood under their own
+spellings (``--num_processes``, ``--nproc-per-node``, ``--main_process_port``, ...); the ones
+nblaunch has no meaning for are refused by name, with what to do instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from nblaunch.cli.args import at_least_one, at_least_zero, seconds
+from nblaunch.cli.outcome import USAGE, launch_in_terminal
+
+_DESCRIPTION = """\
+Run a training script on several processes: each one runs it as __main__ with the same
+arguments, RANK/WORLD_SIZE/MASTER_ADDR set, its output tagged with its rank. The first rank
+that fails stops every rank within a second and is named first; Ctrl-C shows where every rank
+was (in the log) and stops them all; the processes never outlive this command.
+
+exit status: 0 every rank succeeded, 1 a rank failed, 2 bad arguments, 124 --timeout ran out,
+130 interrupted."""
+
+_EXAMPLES = """\
+examples:
+  nblaunch launch --num-processes 2 train.py --lr 3e-4
+  nblaunch launch --nproc-per-node 4 --mixed-precision bf16 -m my_project.train
+  nblaunch launch --num-nodes 2 --node-rank 0 --master-addr 10.0.0.1 --port 29400 train.py"""
+
+# accelerate launch / torchrun flags with no meaning here, and what to do instead.
+_REFUSED = {
+    "--use_deepspeed": "DeepSpeed is not supported by nblaunch",
+    "--deepspeed_config_file": "DeepSpeed is not supported by nblaunch",
+    "--use_fsdp": "FSDP is set up in the script: Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))",
+    "--use_megatron_lm": "Megatron-LM is not supported by nblaunch",
+    "--config_file": "nblaunch reads no accelerate config file: give the options on the command line",
+    "--dynamo_backend": "compile in the script: model = torch.compile(model)",
+    "--gpu_ids": "choose the GPUs with CUDA_VISIBLE_DEVICES=0,1 before the command",
+    "--tpu": "on a TPU host nblaunch uses torch_xla by itself; leave the flag out",
+    "--rdzv-backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
+    "--rdzv_backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
+    "--rdzv-endpoint": "use --master-addr and --port",
+    "--rdzv_endpoint": "use --master-addr and --port",
+}
+_REFUSED_PREFIXES = {"--fsdp_": _REFUSED["--use_fsdp"], "--deepspeed": _REFUSED["--use_deepspeed"],
+                     "--megatron_lm": _REFUSED["--use_megatron_lm"]}
+
+
+class _Refuse(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not supported: {_REFUSED[option_string]}")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    launch = commands.add_parser("launch", help="run a training script on several processes",
+                                 description=_DESCRIPTION, epilog=_EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = launch.add_argument
+    add("--num-processes", "--num_processes", "--nproc-per-node", "--nproc_per_node", type=at_least_one,
+        default=None, metavar="N", help="processes on this machine (default: one per GPU, at least 2)")
+    add("--mixed-precision", "--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
+        help="handed to every rank's Accelerator (default: no)")
+    add("--num-nodes", "--num_machines", "--nnodes", type=at_least_one, default=1, metavar="K",
+        help="machines taking part (default: 1)")
+    add("--node-rank", "--machine_rank", "--node_rank", type=at_least_zero, default=0, metavar="R",
+        help="this machine's number, 0 to K-1 (default: 0)")
+    add("--master-addr", "--main_process_ip", "--master_addr", default="127.0.0.1", metavar="A",
+        help="address of node 0 (default: 127.0.0.1)")
+    add("--port", "--main_process_port", "--master_port", "--master-port", type=int, default=None, metavar="P",
+        help="port of the rendezvous on node 0 (default: a free one; give it with --num-nodes > 1)")
+    add("--cluster", choices=["ray"], default=None,
+        help="start the ranks on the Ray cluster this machine is connected to (needs nblaunch[ray])")
+    add("--timeout", type=seconds, default=None, metavar="S",
+        help="stop every rank, showing where each was, after S seconds")
+    add("--max-restarts", "--max_restarts", type=at_least_zero, default=0, metavar="M",
+        help="after a failure, start every rank again, up to M times")
+    add("--start-method", choices=["fork", "spawn"], default=None,
+        help="how the processes start (default: fork where it is safe, else spawn)")
+    add("--cpu", action="store_true", help="train on the CPU even where there are GPUs")
+    add("--multi_gpu", "--multi-gpu", action="store_true",
+        help="accepted for accelerate launch: one process per GPU is already the default")
+    add("--standalone", action="store_true",
+        help="accepted for torchrun: one machine and a free port are already the default")
+    add("-m", "--module", action="store_true",
+        help="the script is a module name, run as python -m would (e.g. -m my_project.train)")
+    for flag in _REFUSED:
+        add(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
+    add("script", metavar="script.py", help="the training script (or, with -m, a module)")
+    add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
+
+
+def run(options: argparse.Namespace) -> int:
+    from nblaunch.cli.script import Script
+
+    problem = _target_problem(options.script, options.module)
+    if problem:
+        print(f"nblaunch launch: {problem}", file=sys.stderr)
+        return USAGE
+    if options.cpu:  # before torch looks: the ranks then see no GPU either
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["NBLAUNCH_FORCE_CPU"] = "1"
+    if options.num_processes is None and options.cluster is None:
+        from nblaunch.launch.devices import cuda_device_count
+        if cuda_device_count() == 0:
+            print("nblaunch launch: this machine has no GPU, so there is no \"one process per GPU\": give "
+                  "--num-processes N (e.g. --num-processes 2 runs 2 CPU processes)", file=sys.stderr)
+            return USAGE
+    _, status = launch_in_terminal(
+        "launch", Script(options.script, options.script_args, options.module), (),
+        num_processes=options.num_processes, mixed_precision=options.mixed_precision,
+        num_nodes=options.num_nodes, node_rank=options.node_rank, master_addr=options.master_addr,
+        use_port=options.port, cluster=options.cluster, timeout=options.timeout,
+        max_restarts=options.max_restarts, start_method=options.start_method)
+    return status
+
+
+def refused_prefix(argv: list[str]) -> str | None:
+    """A message for a refused family of flags (``--fsdp_*``) before the script, else None."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return None  # the script: what follows is its own
+        for prefix, why in _REFUSED_PREFIXES.items():
+            if arg.startswith(prefix):
+                return f"{arg.split('=')[0]} is not supported: {why}"
+    return None
+
+
+def _target_problem(target: str, as_module: bool) -> str | None:
+    if as_module:
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(target)
+        except (ImportError, ValueError) as error:
+            return f"cannot find module {target!r}: {error}"
+        finally:
+            sys.path.pop(0)
+        return None if found is not None else f"no module named {target!r} (run from the directory that holds it)"
+    if not os.path.isfile(target):
+        return f"no such script: {target!r}" + (" (a module? add -m)" if not target.endswith(".py") else "")
+    return None
