@@ -34,7 +34,7 @@ def is_launcher_code(path: str) -> bool:
 
 def is_users(path: str) -> bool:
     """Neither nblaunch's, nor Python's, nor an installed package's."""
-    if is_launcher_code(path):
+    if is_launcher_code(path) or path.startswith("<frozen "):  # <frozen runpy>: Python's own
         return False
     return not os.path.realpath(path).startswith(_NOT_USER)
 
