@@ -30,12 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``nblaunch`` command's arguments."""
     from nblaunch import __version__
 
-    parser = argparse.ArgumentParser(prog=_program_name(), description=_DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=_program_name(), description=_DESCRIPTION, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"nblaunch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for module in _COMMANDS.values():
         module.add_parser(commands)
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         if refused:
             print(f"{_program_name()} launch: error: {refused}", file=sys.stderr)
             return 2
+    script_args = None
+    if argv[:1] == ["launch"]:  # the script's own arguments never meet the launcher's parser
+        own, script_args = launch.split_at_script(_subparser(parser, "launch"), argv[1:])
+        argv = ["launch", *own]
     options, unknown = parser.parse_known_args(argv)
+    if script_args is not None:
+        options.script_args = script_args
     if unknown:
         hint = " (the script's own options go after the script)" if options.command == "launch" else ""
         print(f"{_program_name()} {options.command}: error: unrecognized option {unknown[0]!r}{hint}; "

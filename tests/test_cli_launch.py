@@ -185,3 +185,17 @@ def test_one_process_runs_in_this_one_and_fails_the_same_way(tmp_path):
         "    raise KeyError('no such column')",
         "KeyError: 'no such column'",
     ]
+
+
+def test_the_scripts_own_arguments_never_meet_the_launchers_parser(tmp_path):
+    # Abbreviations of the launcher's options, its own option names, and "--": all the script's.
+    script(tmp_path, "args.py", "import sys\nprint(sys.argv[1:])\n")
+    mine = ["--n", "64", "--timeout", "3", "-m", "x", "--help", "--", "--num-processes", "7"]
+    done = nblaunch("launch", "--num-processes", "1", "args.py", *mine, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{mine}\n"
+    for spelling, says in (("--nproc-per-node=cpu", "one process per CPU core is not supported"),
+                           ("--tee", "--tee is not supported: every rank's output is shown"),
+                           ("--num-proc", "unrecognized option '--num-proc'")):
+        done = nblaunch("launch", spelling, "args.py", cwd=tmp_path)
+        assert done.returncode == 2 and says in done.stderr, (spelling, done.stderr)

@@ -25,6 +25,16 @@ def at_least_zero(text: str) -> int:
     return _whole_number(text, 0)
 
 
+def processes(text: str) -> int | None:
+    """``--num-processes``: a whole number >= 1, or torchrun's ``gpu``/``auto`` (one per GPU:
+    the default, None)."""
+    if text in ("gpu", "auto"):
+        return None
+    if text == "cpu":
+        raise argparse.ArgumentTypeError("one process per CPU core is not supported: give a number, e.g. 2")
+    return _whole_number(text, 1)
+
+
 def seconds(text: str) -> float:
     """A positive number of seconds: ``--timeout 600``."""
     try:

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 
-from nblaunch.cli.args import at_least_one, at_least_zero, seconds
+from nblaunch.cli.args import at_least_one, at_least_zero, processes, seconds
 from nblaunch.cli.outcome import USAGE, launch_in_terminal
 
 _DESCRIPTION = """\
@@ -45,6 +45,19 @@ _REFUSED = {
     "--rdzv_backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
     "--rdzv-endpoint": "use --master-addr and --port",
     "--rdzv_endpoint": "use --master-addr and --port",
+    "--rdzv-id": "not needed: the rendezvous is static",
+    "--rdzv_id": "not needed: the rendezvous is static",
+    "--num_cpu_threads_per_process": "each rank gets its share of the cores; set OMP_NUM_THREADS to choose",
+    "--log-dir": "every rank's whole log is kept; its folder is printed when the launch starts",
+    "--log_dir": "every rank's whole log is kept; its folder is printed when the launch starts",
+    "--tee": "every rank's output is shown, tagged, and kept in its log",
+    "--redirects": "every rank's output is shown, tagged, and kept in its log",
+    "--monitor-interval": "not needed: nblaunch watches the ranks itself",
+    "--monitor_interval": "not needed: nblaunch watches the ranks itself",
+    "--no-python": "nblaunch runs Python scripts and modules (-m)",
+    "--no_python": "nblaunch runs Python scripts and modules (-m)",
+    "--main_training_function": "the script runs as __main__: call your function there",
+    "--debug": "set ACCELERATE_DEBUG_MODE=1 for Accelerate's shape checks (nblaunch checks them always)",
 }
 _REFUSED_PREFIXES = {"--fsdp_": _REFUSED["--use_fsdp"], "--deepspeed": _REFUSED["--use_deepspeed"],
                      "--megatron_lm": _REFUSED["--use_megatron_lm"]}
@@ -57,11 +70,11 @@ class _Refuse(argparse.Action):
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     launch = commands.add_parser("launch", help="run a training script on several processes",
-                                 description=_DESCRIPTION, epilog=_EXAMPLES,
+                                 description=_DESCRIPTION, epilog=_EXAMPLES, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = launch.add_argument
-    add("--num-processes", "--num_processes", "--nproc-per-node", "--nproc_per_node", type=at_least_one,
-        default=None, metavar="N", help="processes on this machine (default: one per GPU, at least 2)")
+    add("--num-processes", "--num_processes", "--nproc-per-node", "--nproc_per_node", type=processes,
+        default=None, metavar="N", help="processes on this machine (default, or gpu/auto: one per GPU)")
     add("--mixed-precision", "--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
         help="handed to every rank's Accelerator (default: no)")
     add("--num-nodes", "--num_machines", "--nnodes", type=at_least_one, default=1, metavar="K",
@@ -91,6 +104,28 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         add(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
     add("script", metavar="script.py", help="the training script (or, with -m, a module)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
+
+
+def split_at_script(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` of ``launch`` cut after the script: the launcher's options and the script, then
+    the script's own arguments, untouched (``--``, and options that look like the launcher's).
+
+    Example::
+
+        split_at_script(parser, ["--num-processes", "2", "train.py", "--n", "3"])
+        # (["--num-processes", "2", "train.py"], ["--n", "3"])
+    """
+    takes_value = {option: action.nargs != 0 for action in parser._actions for option in action.option_strings}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i + 1], argv[i + 1:]
+        name = arg.split("=", 1)[0]
+        i += 2 if takes_value.get(name) and "=" not in arg else 1
+    return argv, []
 
 
 def run(options: argparse.Namespace) -> int:
