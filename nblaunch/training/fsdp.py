@@ -131,13 +131,21 @@ def _wrapped_submodules(model: torch.nn.Module, rule: WrapRule) -> list[torch.nn
         return all(name.startswith(prefix) for p in module.parameters() for name in names[id(p)])
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
-        for child_name, child in module.named_children():
-            visit(child, f"{prefix}{child_name}.")
-        if module is not model and test(module) and self_contained(module, prefix):
+        if not isinstance(module, _LEAVES):
+            for child_name, child in module.named_children():
+                visit(child, f"{prefix}{child_name}.")
+        if (module is not model and not isinstance(module, _CONTAINERS) and test(module)
+                and self_contained(module, prefix)):
             order.append(module)
 
     visit(model, "")
     return order
+
+
+# As torch's FSDP1 size policy: attention reads its out_proj's weight without calling out_proj,
+# so no unit may start inside it; and containers have no forward to gather around.
+_LEAVES = (torch.nn.MultiheadAttention,)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 def _unit_test(model: torch.nn.Module, rule: WrapRule) -> Any:

@@ -198,6 +198,17 @@ def test_size_based_wrapping_and_cpu_offload_on_the_cpu(launch):
     assert results[0]["units"] == ["", "0", "0.layer", "1", "1.layer"]
 
 
+def test_size_based_wrapping_of_every_module_never_splits_attention(ddp_and_fsdp, launch):
+    # min_num_params=0 (Accelerate's default): every module with parameters is a unit, except
+    # inside attention, which reads its out_proj's weight without calling out_proj.
+    _, fsdp, _ = ddp_and_fsdp
+    results = launch(train, {"auto_wrap_policy": "size_based_wrap"})
+    units = results[0]["units"]
+    assert "0.layer.self_attn" in units and not any("out_proj" in unit for unit in units)
+    assert "0.layer.linear1" in units and "2" in units
+    assert max_difference(results[0]["weights"], fsdp[0]["weights"]) < 1e-5
+
+
 def differently_initialised_ranks(options):
     from nblaunch.training.state import PartialState
 
