@@ -37,7 +37,7 @@ _TRAINING_NAMES = {
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
-    "DataLoaderDispatcher", "LocalSGD", "FullyShardedDataParallelPlugin",
+    "DataLoaderDispatcher", "LocalSGD", "FullyShardedDataParallelPlugin", "reset_process_state",
 }
 
 
@@ -73,6 +73,7 @@ __all__ = [
     "ProfileKwargs",
     "DDPCommunicationHookType",
     "FullyShardedDataParallelPlugin",
+    "reset_process_state",
     "AcceleratorState",
     "prepare_data_loader",
     "SeedableRandomSampler",

@@ -41,8 +41,8 @@ def is_users(path: str) -> bool:
 
 def where(text: str, with_code: bool = True) -> str:
     """``place, in function: code`` of the innermost frame of the user's own code in a
-    traceback or in the first thread of a stack dump (its innermost frame if none is the
-    user's); "" when the text holds no frame."""
+    traceback or in the first thread of a stack dump (else of a library's, else its innermost
+    frame); "" when the text holds no frame."""
     first_thread = re.split(r"\n(?=Thread )", text.strip())[0].splitlines()
     frames = []
     for i, line in enumerate(first_thread):
@@ -54,7 +54,8 @@ def where(text: str, with_code: bool = True) -> str:
     if not frames:
         return ""
     own = [f for f in frames if is_users(f[0])]
-    path, line, function, code = (own or frames)[-1]
+    not_ours = [f for f in frames if not is_launcher_code(f[0])]  # a library's, before nblaunch's own
+    path, line, function, code = (own or not_ours or frames)[-1]
     return f"{_place(path, line)}, in {function}" + (f": {code}" if code and with_code else "")
 
 

@@ -107,6 +107,11 @@ def _load_sharded(acc: "Accelerator", input_dir: str, strict: bool) -> None:
 def save_state(acc: "Accelerator", output_dir: str | os.PathLike) -> str:
     output_dir = os.fspath(output_dir)
     state = acc.state
+    if acc.gradient_state.step != 0:
+        warnings.warn(f"save_state inside a gradient accumulation window ({acc.gradient_state.step} of "
+                      f"{acc.gradient_state.num_steps} micro-steps done): the gradients accumulated so far are not "
+                      "saved, so a run resumed from here differs; save when accelerator.sync_gradients is True",
+                      stacklevel=3)
     rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
     save = host_saver(state)
     _save_sharded(acc, output_dir)

@@ -31,3 +31,11 @@ def test_pythons_frozen_modules_are_not_the_users_code():
                  (f"{SITE}/torch/nn/parallel/distributed.py", 1775, "_pre_forward", "self.reducer._rebuild_buckets()"))
     assert frames.where(text) == "distributed.py, line 1775, in _pre_forward: self.reducer._rebuild_buckets()"
     assert not frames.is_users("<frozen runpy>")
+
+
+def test_nblaunchs_own_frames_come_last():
+    # A rank stopped while nblaunch sends its output: where the user's library call was.
+    package = frames._PACKAGE
+    text = stack((f"{SITE}/torch/distributed/c10d.py", 9, "all_reduce", "work.wait()"),
+                 (f"{package}/wire.py", 53, "write_all", "written = os.write(fd, view)"))
+    assert frames.where(text) == "c10d.py, line 9, in all_reduce: work.wait()"
