@@ -17,7 +17,7 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["is_launcher_code", "is_users", "name_cells", "where"]
+__all__ = ["is_launcher_code", "is_python_machinery", "is_users", "name_cells", "where"]
 
 _PACKAGE = os.path.dirname(os.path.realpath(__file__))
 _EXAMPLES = (os.path.join(_PACKAGE, "demo.py"),)  # the user's code when it runs
@@ -32,9 +32,14 @@ def is_launcher_code(path: str) -> bool:
     return path.startswith(_PACKAGE + os.sep) and path not in _EXAMPLES
 
 
+def is_python_machinery(path: str) -> bool:
+    """Python's frozen modules (``<frozen runpy>``, which starts a script as ``__main__``)."""
+    return path.startswith("<frozen ")
+
+
 def is_users(path: str) -> bool:
     """Neither nblaunch's, nor Python's, nor an installed package's."""
-    if is_launcher_code(path) or path.startswith("<frozen "):  # <frozen runpy>: Python's own
+    if is_launcher_code(path) or is_python_machinery(path):
         return False
     return not os.path.realpath(path).startswith(_NOT_USER)
 

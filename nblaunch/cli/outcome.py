@@ -5,20 +5,15 @@ Exit statuses: 0 every rank succeeded; 1 a rank failed (its traceback printed on
 
 Example::
 
-    results, status = launch_in_terminal("launch", run_script, ("train.py", [], False), num_processes=2)
+    results, status = launch_in_terminal("launch", Script("train.py", ["--lr", "3e-4"]), (), num_processes=2)
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from typing import Any, Callable
 
-# Frames in nblaunch's own code only say how the script was started.
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-__all__ = ["launch_in_terminal", "without_launch_frames", "FAILED", "USAGE", "TIMED_OUT", "INTERRUPTED"]
+__all__ = ["launch_in_terminal", "FAILED", "USAGE", "TIMED_OUT", "INTERRUPTED"]
 
 FAILED, USAGE, TIMED_OUT, INTERRUPTED = 1, 2, 124, 130
 
@@ -29,6 +24,7 @@ def launch_in_terminal(command: str, function: Callable, args: tuple, **options:
     each rank's lines and the launch's end; the root cause's traceback is printed once more."""
     from nblaunch import notebook_launcher
     from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
+    from nblaunch.worker.reports import format_traceback
 
     try:
         return notebook_launcher(function, args, display="text", **options), 0
@@ -42,31 +38,9 @@ def launch_in_terminal(command: str, function: Callable, args: tuple, **options:
     except RankFailedError as error:
         failure = error.root_cause
         print(f"\nnblaunch {command}: rank {failure.rank} failed first; its traceback:\n"
-              f"{without_launch_frames(failure.traceback or failure.reason).rstrip()}", file=sys.stderr)
+              f"{(failure.traceback or failure.reason).rstrip()}", file=sys.stderr)
         return None, FAILED
     except Exception as error:  # one process runs in this one: its own exception, as python would show it
-        shown = "".join(traceback.format_exception(error))
-        print(f"nblaunch {command}: the process failed; its traceback:\n{without_launch_frames(shown).rstrip()}",
+        print(f"nblaunch {command}: the process failed; its traceback:\n{format_traceback(error).rstrip()}",
               file=sys.stderr)
         return None, FAILED
-
-
-def without_launch_frames(traceback: str) -> str:
-    """The traceback without the frames that only say how the script was started (runpy's,
-    nblaunch's own): it starts at the user's own code.
-
-    Example::
-
-        without_launch_frames('Traceback (most recent call last):\n  File "<frozen runpy>", line 88, in _run_code\n'
-                              '  File "train.py", line 3, in <module>\n    boom()\nValueError: no')
-        # 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n    boom()\nValueError: no'
-    """
-    kept, skipping = [], False
-    for line in traceback.splitlines():
-        if line.startswith('  File "'):
-            skipping = line.startswith(('  File "<frozen runpy>"', f'  File "{_PACKAGE}'))
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            kept.append(line)
-    return "\n".join(kept)
