@@ -46,14 +46,13 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if argv[:1] == ["launch"]:
-        refused = launch.refused_prefix(argv[1:])
-        if refused:
-            print(f"{_program_name()} launch: error: {refused}", file=sys.stderr)
-            return 2
     script_args = None
     if argv[:1] == ["launch"]:  # the script's own arguments never meet the launcher's parser
         own, script_args = launch.split_at_script(_subparser(parser, "launch"), argv[1:])
+        refused = launch.refused_prefix(own)
+        if refused:
+            print(f"{_program_name()} launch: error: {refused}", file=sys.stderr)
+            return 2
         argv = ["launch", *own]
     options, unknown = parser.parse_known_args(argv)
     if script_args is not None:

@@ -134,6 +134,7 @@ def test_what_cannot_run_is_refused_before_anything_starts(tmp_path):
         ("launch", "hello.py"): "this machine has no GPU",
         ("launch", "--use_deepspeed", "hello.py"): "--use_deepspeed is not supported: DeepSpeed",
         ("launch", "--fsdp_sharding_strategy", "1", "hello.py"): "Accelerator(fsdp_plugin=",
+        ("launch", "--num-processes", "2", "--fsdp_cpu_ram_efficient_loading", "1", "hello.py"): "--fsdp_cpu_ram",
         ("launch", "--num-processes", "0", "hello.py"): "must be at least 1, got 0",
         ("launch", "--frobnicate", "hello.py"): "unrecognized option '--frobnicate'",
     }

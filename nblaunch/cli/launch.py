@@ -153,11 +153,10 @@ def run(options: argparse.Namespace) -> int:
     return status
 
 
-def refused_prefix(argv: list[str]) -> str | None:
-    """A message for a refused family of flags (``--fsdp_*``) before the script, else None."""
-    for arg in argv:
-        if not arg.startswith("-"):
-            return None  # the script: what follows is its own
+def refused_prefix(own: list[str]) -> str | None:
+    """A message for a refused family of flags (``--fsdp_*``) among the launcher's own arguments
+    (``split_at_script``'s first part), else None."""
+    for arg in own:
         for prefix, why in _REFUSED_PREFIXES.items():
             if arg.startswith(prefix):
                 return f"{arg.split('=')[0]} is not supported: {why}"
