@@ -69,23 +69,23 @@ def _sharded_dir(output_dir: str, stem: str, i: int) -> str:
     return os.path.join(output_dir, f"sharded_{stem}" if i == 0 else f"sharded_{stem}_{i}")
 
 
-def _sharded_model_of(acc: "Accelerator", optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
-    return sharded_model_of(acc._models, optimizer)
+def _optimizer_owners(acc: "Accelerator") -> list[torch.nn.Module | None]:
+    """For each prepared optimizer, the sharded model it trains (None: it trains none)."""
+    return [sharded_model_of(acc._models, opt.optimizer) for opt in acc._optimizers]
 
 
-def _save_sharded(acc: "Accelerator", output_dir: str) -> None:
+def _save_sharded(acc: "Accelerator", output_dir: str, owners: list[torch.nn.Module | None]) -> None:
     """Every rank writes its shards of the sharded models and their optimizers (collectives)."""
     import torch.distributed.checkpoint as dcp
     for i, model in enumerate(acc._models):
         if is_sharded(model):
             dcp.save(sharded_state(model), checkpoint_id=_sharded_dir(output_dir, "model", i))
-    for i, opt in enumerate(acc._optimizers):
-        model = _sharded_model_of(acc, opt.optimizer)
+    for i, (opt, model) in enumerate(zip(acc._optimizers, owners)):
         if model is not None:
             dcp.save(sharded_state(model, opt.optimizer), checkpoint_id=_sharded_dir(output_dir, "optimizer", i))
 
 
-def _load_sharded(acc: "Accelerator", input_dir: str, strict: bool) -> None:
+def _load_sharded(acc: "Accelerator", input_dir: str, strict: bool, owners: list[torch.nn.Module | None]) -> None:
     import torch.distributed.checkpoint as dcp
     for i, model in enumerate(acc._models):
         if is_sharded(model):
@@ -96,8 +96,7 @@ def _load_sharded(acc: "Accelerator", input_dir: str, strict: bool) -> None:
             state = sharded_state(model)
             dcp.load(state, checkpoint_id=path)
             load_sharded_state(model, state, strict=strict)
-    for i, opt in enumerate(acc._optimizers):
-        model = _sharded_model_of(acc, opt.optimizer)
+    for i, (opt, model) in enumerate(zip(acc._optimizers, owners)):
         if model is not None:
             state = sharded_state(model, opt.optimizer)
             dcp.load(state, checkpoint_id=_sharded_dir(input_dir, "optimizer", i))
@@ -114,14 +113,15 @@ def save_state(acc: "Accelerator", output_dir: str | os.PathLike) -> str:
                       stacklevel=3)
     rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
     save = host_saver(state)
-    _save_sharded(acc, output_dir)
+    owners = _optimizer_owners(acc)
+    _save_sharded(acc, output_dir, owners)
     if state.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         for i, model in enumerate(acc._models):
             if not is_sharded(model):
                 save(acc.get_state_dict(model), os.path.join(output_dir, _name("model", i, "bin")))
-        for i, opt in enumerate(acc._optimizers):
-            if _sharded_model_of(acc, opt.optimizer) is None:
+        for i, (opt, owner) in enumerate(zip(acc._optimizers, owners)):
+            if owner is None:
                 save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
         for i, sched in enumerate(acc._schedulers):
             save(sched.scheduler.state_dict(), os.path.join(output_dir, _name("scheduler", i, "bin")))
@@ -156,7 +156,8 @@ def load_state(acc: "Accelerator", input_dir: str | os.PathLike, strict: bool = 
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"checkpoint directory {input_dir!r} does not exist")
     device = acc.device
-    _load_sharded(acc, input_dir, strict)
+    owners = _optimizer_owners(acc)
+    _load_sharded(acc, input_dir, strict, owners)
     for i, model in enumerate(acc._models):
         if not is_sharded(model):
             path = os.path.join(input_dir, _name("model", i, "bin"))
@@ -165,8 +166,8 @@ def load_state(acc: "Accelerator", input_dir: str | os.PathLike, strict: bool = 
                                         "ranks): load it the same way")
             sd = _load(path, "cpu")
             acc.unwrap_model(model).load_state_dict(sd, strict=strict)
-    for i, opt in enumerate(acc._optimizers):
-        if _sharded_model_of(acc, opt.optimizer) is None:
+    for i, (opt, owner) in enumerate(zip(acc._optimizers, owners)):
+        if owner is None:
             # Optimizer.load_state_dict moves the state onto each parameter's device.
             opt.optimizer.load_state_dict(_load(os.path.join(input_dir, _name("optimizer", i, "bin")), "cpu"))
     for i, sched in enumerate(acc._schedulers):

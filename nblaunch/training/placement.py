@@ -65,15 +65,16 @@ class ReplacedParameters:
         """Point ``optimizer``'s groups and state at the new parameters."""
         if not self._new:
             return
+        moved_state = [(old, self._replacement(old)) for old in optimizer.state]
+        moved_state = [(old, new) for old, new in moved_state if new is not old]
+        if any(_is_shard(new) for _, new in moved_state):  # refused before anything is changed
+            raise ValueError(
+                "the optimizer has already stepped on the model's unsharded parameters: its state "
+                "cannot follow them into shards. Prepare the model before training, and its "
+                "optimizer with it: accelerator.prepare(model, optimizer, ...)")
         for group in optimizer.param_groups:
             group["params"] = [self._replacement(p) for p in group["params"]]
-        for old in [p for p in optimizer.state if self._replacement(p) is not p]:
-            new = self._replacement(old)
-            if _is_shard(new):
-                raise ValueError(
-                    "the optimizer has already stepped on the model's unsharded parameters: its state "
-                    "cannot follow them into shards. Prepare the model before training, and its "
-                    "optimizer with it: accelerator.prepare(model, optimizer, ...)")
+        for old, new in moved_state:
             optimizer.state[new] = optimizer.state.pop(old)
 
 
