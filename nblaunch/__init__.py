@@ -15,7 +15,7 @@ Example::
     ranks.run(train)                            # [0, 1], on ranks that stay up for the next call
 """
 
-from nblaunch.launch.api import Launch, debug_launcher, notebook_launcher
+from nblaunch.api import Launch, debug_launcher, notebook_launcher
 from nblaunch.launch.errors import (
     LaunchConfigError,
     LaunchTimeoutError,
@@ -43,14 +43,14 @@ _TRAINING_NAMES = {
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext nblaunch``: the ``%%distributed`` cell magic (see nblaunch.warm.magic)."""
-    from nblaunch.warm.magic import load_ipython_extension as load
+    from nblaunch.warm.magic import load_ipython_extension as load  # deferred: IPython's magics, for %load_ext only
 
     load(ipython)
 
 
 def __getattr__(name: str):
     if name in _TRAINING_NAMES:
-        import nblaunch.training
+        import nblaunch.training  # deferred: torch.nn and DDP, loaded on first use
 
         return getattr(nblaunch.training, name)
     raise AttributeError(f"module 'nblaunch' has no attribute {name!r}")

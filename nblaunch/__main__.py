@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from nblaunch import __version__
 from nblaunch.cli import demo, env, launch, selftest
 
 _DESCRIPTION = "nblaunch: start PyTorch training on several processes, from a notebook or a terminal."
@@ -28,8 +29,6 @@ def _program_name() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``nblaunch`` command's arguments."""
-    from nblaunch import __version__
-
     parser = argparse.ArgumentParser(prog=_program_name(), description=_DESCRIPTION, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"nblaunch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")

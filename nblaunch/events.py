@@ -39,15 +39,12 @@ class LaunchStarted:
     master_port: int
     devices: str
     log_dir: str | None = None
+    meeting_point: str = ""  # where the ranks meet when it is not master_addr:master_port
 
     @property
     def rendezvous(self) -> str:
-        """Where the ranks meet: host:port, or torch_xla's own mechanism on XLA."""
-        if self.start_method == "xla":
-            return "torch_xla"
-        if self.start_method == "ray":
-            return "node 0, once Ray has placed the ranks"
-        return f"{self.master_addr}:{self.master_port}"
+        """Where the ranks meet: ``host:port`` unless the launch named another meeting point."""
+        return self.meeting_point or f"{self.master_addr}:{self.master_port}"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the ne
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
-# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.payload.
+# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.starting.payload.
 SHARED_STORAGE = "nblaunch.shared-storage"
 
 

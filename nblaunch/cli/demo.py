@@ -35,7 +35,7 @@ def run(options: argparse.Namespace) -> int:
         print("nblaunch demo: the demo needs scikit-learn, which is not installed. "
               "Install it with: pip install 'nblaunch[examples]'", file=sys.stderr)
         return FAILED
-    from nblaunch.demo import train_digits
+    from nblaunch.demo import train_digits  # deferred: imports torch, which `nblaunch demo --help` needs not
 
     if options.num_processes == 1:  # runs in this process: no launch line from the launcher
         print("nblaunch: train_digits on 1 process, this one (nothing to start)")

@@ -9,6 +9,10 @@ import os
 import platform
 import sys
 
+from nblaunch import __version__
+from nblaunch.launch.planning import devices, xla
+from nblaunch.launch.planning.plan import start_method_for
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     commands.add_parser("env", help="print versions and devices for a bug report",
@@ -25,11 +29,7 @@ def _version(package: str) -> str:
 
 def report() -> list[tuple[str, str]]:
     """(name, value) pairs, in the order they are printed."""
-    import torch
-
-    from nblaunch import __version__
-    from nblaunch.launch import devices, xla
-    from nblaunch.launch.plan import start_method_for
+    import torch  # deferred: a second to import; `nblaunch env --help` needs none of it
 
     rows = [("nblaunch", __version__), ("Python", sys.version.split()[0]),
             ("Platform", platform.platform()), ("CPU cores", str(os.cpu_count())),

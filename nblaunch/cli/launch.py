@@ -15,6 +15,8 @@ import sys
 
 from nblaunch.cli.args import at_least_one, at_least_zero, processes, seconds
 from nblaunch.cli.outcome import USAGE, launch_in_terminal
+from nblaunch.cli.script import Script
+from nblaunch.launch.planning.devices import cuda_device_count
 
 _DESCRIPTION = """\
 Run a training script on several processes: each one runs it as __main__ with the same
@@ -129,8 +131,6 @@ def split_at_script(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[l
 
 
 def run(options: argparse.Namespace) -> int:
-    from nblaunch.cli.script import Script
-
     problem = _target_problem(options.script, options.module)
     if problem:
         print(f"nblaunch launch: {problem}", file=sys.stderr)
@@ -139,7 +139,6 @@ def run(options: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["NBLAUNCH_FORCE_CPU"] = "1"
     if options.num_processes is None and options.cluster is None:
-        from nblaunch.launch.devices import cuda_device_count
         if cuda_device_count() == 0:
             print("nblaunch launch: this machine has no GPU, so there is no \"one process per GPU\": give "
                   "--num-processes N (e.g. --num-processes 2 runs 2 CPU processes)", file=sys.stderr)

@@ -13,6 +13,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from nblaunch.api import notebook_launcher
+from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
+from nblaunch.worker.reports import format_traceback
+
 __all__ = ["launch_in_terminal", "FAILED", "USAGE", "TIMED_OUT", "INTERRUPTED"]
 
 FAILED, USAGE, TIMED_OUT, INTERRUPTED = 1, 2, 124, 130
@@ -22,10 +26,6 @@ def launch_in_terminal(command: str, function: Callable, args: tuple, **options:
     """``notebook_launcher(function, args, display="text", **options)``; returns the results
     (None unless every rank succeeded) and the exit status. The text display has already shown
     each rank's lines and the launch's end; the root cause's traceback is printed once more."""
-    from nblaunch import notebook_launcher
-    from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
-    from nblaunch.worker.reports import format_traceback
-
     try:
         return notebook_launcher(function, args, display="text", **options), 0
     except LaunchConfigError as error:

@@ -26,6 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def check_rank(cpu: bool) -> dict:
     """One rank's part: the group, a collective, one DDP step; returns what it saw."""
+    # Deferred to the ranks: torch and the training side cost `nblaunch test --help` seconds.
     import torch
     import torch.distributed as dist
 

@@ -21,10 +21,10 @@ import cloudpickle
 
 import nblaunch
 from nblaunch.events import Event, LaunchFinished, LaunchStarted
-from nblaunch.launch import ports
+from nblaunch.launch.planning import ports
 from nblaunch.launch.errors import LaunchTimeoutError, RankFailedError, RankFailure
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.plan import make_plan
+from nblaunch.launch.planning.plan import LaunchRequest, make_plan
 
 _MAX_BATCH = 2000  # events per answer: a chatty node's backlog goes in several round trips
 
@@ -76,15 +76,15 @@ class NodeAgent:
 
     def start(self, packed_call: bytes, options: dict[str, Any], driver_path: list[str]) -> None:
         """Start this node's launch: ``packed_call`` is the cloudpickled ``(function, args)``;
-        ``options`` the node's ``make_plan`` arguments. Returns once the ranks are starting."""
+        ``options`` the node's ``LaunchRequest`` fields. Returns once the ranks are starting."""
         # Functions from the notebook's own modules travel by reference: where the driver's
         # folders exist here too (one machine, a shared file system), they import as there.
         sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
         self._imported.join()
         function, args = cloudpickle.loads(packed_call)
-        plan = make_plan(function, args, display=self._queue, timeout=None, **options)
+        plan = make_plan(LaunchRequest(function, args, display=self._queue, **options))
         self._launch = Launch(plan, function, args, None, self._queue)
-        self._launch._start_in_background()
+        self._launch.start()
         threading.Thread(target=self._wait_for_end, name="nblaunch-agent-outcome", daemon=True).start()
 
     def next_events(self, wait_s: float) -> tuple[list[Event], tuple | None]:
@@ -99,15 +99,15 @@ class NodeAgent:
     def cancel(self, why: str) -> None:
         """Stop this node's ranks as an interrupt would (stacks first); ``why`` becomes the error."""
         if self._launch is not None:
-            self._launch._cancel(LaunchTimeoutError(0, {}) if why == "timeout" else None)
+            self._launch.cancel(LaunchTimeoutError(0, {}) if why == "timeout" else None)
 
     def request_stacks(self) -> None:
         if self._launch is not None:
-            self._launch._ask_for_stacks()
+            self._launch.request_stacks()
 
     def send(self, kind: bytes, body: bytes) -> bool:
         """One frame to every rank of this node (a warm pool's call)."""
-        return self._launch is not None and self._launch._send_to_ranks(kind, body)
+        return self._launch is not None and self._launch.send(kind, body)
 
     def _wait_for_end(self) -> None:
         assert self._launch is not None

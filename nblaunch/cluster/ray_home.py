@@ -25,33 +25,32 @@ from nblaunch.cluster.placement import NodeRequest
 from nblaunch.cluster.watcher import RayWatcher
 from nblaunch.events import Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
-from nblaunch.launch.payload import Payload
-from nblaunch.launch import pickling
-from nblaunch.launch.plan import (LaunchPlan, check_basics, check_elastic_arguments, plural, port_number,
-                                   positive_int)
+from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.planning import pickling
+from nblaunch.launch.planning.checks import check_basics, check_elastic_arguments, port_number, positive_int
+from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest, plural
 
 _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
 
 
-def plan_ray_launch(function: Any, args: Any, num_processes: Any, mixed_precision: Any, use_port: Any,
-                    master_addr: Any, node_rank: Any, num_nodes: Any, start_method: Any, timeout: Any,
-                    display: Any, max_restarts: Any, monitor_interval: Any = 0.1,
-                    rdzv_backend: Any = "static") -> tuple[LaunchPlan, "RayHome"]:
+def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
     """Check a Ray launch's arguments, then the cluster; nothing is placed yet."""
-    mixed_precision = check_basics(function, args, mixed_precision, timeout, display)
-    check_elastic_arguments(monitor_interval, rdzv_backend)
-    num_nodes = positive_int("num_nodes", num_nodes)
-    if node_rank != 0 or master_addr != "127.0.0.1":
+    r = request
+    function, args, num_processes, start_method = r.function, r.args, r.num_processes, r.start_method
+    mixed_precision = check_basics(function, args, r.mixed_precision, r.timeout, r.display)
+    check_elastic_arguments(r.monitor_interval, r.rdzv_backend)
+    num_nodes = positive_int("num_nodes", r.num_nodes)
+    if r.node_rank != 0 or r.master_addr != "127.0.0.1":
         raise LaunchConfigError(
             "with cluster='ray', Ray places every node and node 0 hosts the rendezvous: leave node_rank and "
             "master_addr out (they are for running the same call on every machine yourself)"
         )
     if start_method not in (None, "fork", "spawn"):
         raise LaunchConfigError(f"with cluster='ray', start_method must be None, 'fork' or 'spawn'; got {start_method!r}")
-    if max_restarts != 0:
+    if r.max_restarts != 0:
         raise LaunchConfigError("max_restarts is not supported with cluster='ray' yet: pass max_restarts=0, or "
                                 "resume from a checkpoint with a new launch")
-    port = port_number(use_port)  # checked for use on node 0, by its agent
+    port = port_number(r.use_port)  # checked for use on node 0, by its agent
     # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
     pickling.check_picklable(function, args)
     ray = placement.connect()
@@ -99,7 +98,7 @@ class RayHome:
         return plan.world_size
 
     def describe(self, plan: LaunchPlan) -> dict[str, Any]:
-        return dict(num_processes=plan.world_size, devices=f"{plan.devices}, {plural(plan.num_processes, 'rank')} "
+        return dict(num_processes=plan.world_size, meeting_point="node 0, once Ray has placed the ranks", devices=f"{plan.devices}, {plural(plan.num_processes, 'rank')} "
                     f"on each of {plural(plan.num_nodes, 'Ray node')}")
 
     @contextlib.contextmanager

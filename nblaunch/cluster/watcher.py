@@ -18,8 +18,8 @@ import cloudpickle
 
 from nblaunch.events import Event, RankFinished, RankState, Stacks
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
-                                    RankFailure, RemoteError, RemoteTraceback)
-from nblaunch.launch.payload import Payload
+                                    RankFailure, RemoteError, RemoteTraceback, root_cause_first)
+from nblaunch.launch.starting.payload import Payload
 
 _POLL_S = 0.2  # how long an agent holds a long-poll open when nothing happens
 _CHECK_S = 0.05  # how often the loop looks at cancel requests and the deadline
@@ -196,13 +196,7 @@ class RayWatcher:
         return failures
 
     def _failure_error(self, failures: list[RankFailure]) -> RankFailedError:
-        # As on one machine: a rank's own error before those a dead peer caused, then in the
-        # order the cell showed them failing.
-        shown = {rank: i for i, rank in enumerate(self._shown_failed)}
-        ordered = sorted(failures, key=lambda f: (f.collateral, shown.get(f.rank, len(shown))))
-        error = RankFailedError(ordered, dict(self._stacks))
-        error.__cause__ = ordered[0].exception
-        return error
+        return RankFailedError(root_cause_first(failures, self._shown_failed), dict(self._stacks))
 
 
 def _rebuilt(node: _Node, failure: RankFailure, exception: bytes | None) -> RankFailure:

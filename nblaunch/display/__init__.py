@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import traceback
 
+from nblaunch.display.text import TextDisplay
 from nblaunch.events import Display, Event
 
 DISPLAY_CHOICES = ("auto", "widget", "text", "none")
@@ -32,12 +33,11 @@ def make_display(choice: str | Display, num_processes: int) -> Display:
     if choice == "none":
         return NoDisplay()
     if choice in ("auto", "widget"):
+        # Deferred: ipywidgets and IPython load only for a display that may use them.
         from nblaunch.display.widget import WidgetDisplay, widgets_available
 
         if choice == "widget" or widgets_available():
             return WidgetDisplay(num_processes=num_processes)
-    from nblaunch.display.text import TextDisplay
-
     return TextDisplay()
 
 

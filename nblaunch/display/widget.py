@@ -45,8 +45,6 @@ from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankStarted
 
 log = logging.getLogger(__name__)
 
-SUMMARY_DISPLAY_PREFIX = "nblaunch-summary-"
-
 
 def widgets_available() -> bool:
     """True inside a Jupyter kernel whose frontends can show ipywidgets.

@@ -8,7 +8,7 @@
 - :class:`LaunchInterrupted`: interrupted (a ``KeyboardInterrupt``); every rank was stopped.
 
 :func:`failure_from_report` and :func:`failure_from_exit` say how one rank failed, from its
-own report or from how its process ended.
+own report or from how its process ended; :func:`root_cause_first` orders a launch's failures.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class RankFailedError(RuntimeError):
         self.failures = failures
         self.stacks = stacks or {}
         super().__init__(self._message())
+        self.__cause__ = failures[0].exception  # the rank's own exception, its traceback below it
 
     @property
     def root_cause(self) -> RankFailure:
@@ -119,6 +120,16 @@ class LaunchTimeoutError(TimeoutError):
             f"the launch did not finish within timeout={timeout:g} s; every rank was stopped."
             + (f"\nWhere the ranks were:\n{where}" if where else "")
         )
+
+
+def root_cause_first(failures: list[RankFailure], shown_failing: list[int]) -> list[RankFailure]:
+    """``failures`` in the order a launch blames them, wherever its ranks ran: a rank's own
+    error before the errors a dead peer caused (``collateral``), then in the order the display
+    showed the ranks failing (``shown_failing``), so that what the user saw first is what is
+    blamed; ranks failing on the same line differ by a millisecond either way. The sort is
+    stable: pass ``failures`` in the order they happened."""
+    shown = {rank: i for i, rank in enumerate(shown_failing)}
+    return sorted(failures, key=lambda f: (f.collateral, shown.get(f.rank, len(shown))))
 
 
 def failure_from_report(rank: int, report: dict) -> RankFailure:

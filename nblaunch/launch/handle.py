@@ -24,12 +24,12 @@ from typing import Any, Callable
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
-from nblaunch.launch import ports
+from nblaunch.launch.planning import ports
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.homes import LocalHome, RanksHome, RankWatcher
-from nblaunch.launch.payload import Payload
-from nblaunch.launch.plan import LaunchPlan
+from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.planning.plan import LaunchPlan
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -56,7 +56,7 @@ class Launch:
         self._supervisor: RankWatcher | None = None  # the current attempt's
         self._cancel_requested = False
         self._cancel_as: BaseException | None = None
-        self.clock_start = time.monotonic()  # elapsed times count from here (a warm pool: from each call)
+        self._clock_start = time.monotonic()  # elapsed times count from here (see reset_clock)
         self._rank_states: dict[int, RankState] = {}
         self._stacks_answered = threading.Condition()
         self._asked_stacks: dict[int, str] = {}
@@ -99,25 +99,22 @@ class Launch:
                 raise error.with_traceback(None)  # the launch thread's frames say nothing to the user
             raise
 
-    def cancel(self) -> bool:
-        """Show every rank's stack, stop every rank; ``result()`` then raises
-        LaunchCancelledError. False if the launch had already finished."""
-        return self._cancel(None)
-
-    def _cancel(self, raising: BaseException | None) -> bool:
-        """``cancel()``, with ``raising`` instead of LaunchCancelledError (see Supervisor.cancel)."""
+    def cancel(self, error: BaseException | None = None) -> bool:
+        """Show every rank's stack, stop every rank; ``result()`` then raises ``error``, or
+        LaunchCancelledError when it is None (a LaunchTimeoutError gets the stacks). False if the
+        launch had already finished. Safe from any thread."""
         with self._lock:
             if self._future.done():
                 return False
             self._cancel_requested = True
-            self._cancel_as = raising
+            self._cancel_as = error
             if self._supervisor is not None:
-                self._supervisor.cancel(raising)
+                self._supervisor.cancel(error)
         return True
 
-    def _send_to_ranks(self, kind: bytes, body: bytes = b"", shared: Payload | None = None) -> bool:
-        """One frame to every live rank (a warm pool's calls, ``shared``: their memfds); False
-        when none runs."""
+    def send(self, kind: bytes, body: bytes = b"", shared: Payload | None = None) -> bool:
+        """One frame (``nblaunch.wire``) to every live rank: a warm pool's calls, with the
+        memfds ``shared`` holds. False when no rank runs."""
         with self._lock:
             if self._future.done() or self._supervisor is None:
                 return False
@@ -139,7 +136,7 @@ class Launch:
         """
         with self._stacks_answered:
             self._asked_stacks = {}
-            if not self._ask_for_stacks():
+            if not self.request_stacks():
                 return {}
 
             def answered() -> bool:
@@ -149,8 +146,9 @@ class Launch:
             self._stacks_answered.wait_for(answered, timeout)
             return dict(self._asked_stacks)
 
-    def _ask_for_stacks(self) -> bool:
-        """Ask, do not wait (the dashboard's Stacks button); False when nothing runs."""
+    def request_stacks(self) -> bool:
+        """Ask every live rank for its stack and do not wait (the dashboard's Stacks button):
+        the answers come as ``Stacks`` events. False when nothing runs."""
         with self._lock:
             if self._future.done() or self._supervisor is None:
                 return False
@@ -171,8 +169,20 @@ class Launch:
             return f"{head}: {status} when shown; .status says now, .result() waits for the end>"
         return f"{head}: {status}>"
 
+    def reset_clock(self) -> None:
+        """Count the elapsed times shown from now on (a warm pool: from each call)."""
+        self._clock_start = time.monotonic()
+
     # ------------------------------------------------------------------ running it
-    def _start_in_background(self) -> None:
+    def start(self, *, stop_at_exit: bool = True) -> None:
+        """Run the launch in a thread of its own and return at once (``block=False``).
+
+        ``stop_at_exit``: if the interpreter exits while the launch runs, stop it as ``cancel()``
+        would, saying so in one line (owners that close their launch themselves pass False).
+        """
+        set_stop_handler = getattr(self._display, "set_stop_handler", None)
+        if set_stop_handler is not None:  # the widget's Stop button: it can only work when not blocking
+            set_stop_handler(self.cancel, self.request_stacks)
         # The thread starts spawned ranks and lives until they are reaped: PR_SET_PDEATHSIG fires
         # when the thread that started them exits (forked ranks come from the forking thread).
         # A display that prints (text) runs in a copy of the caller's context: ipykernel 7
@@ -183,12 +193,13 @@ class Launch:
         if getattr(self._display, "prints_to_cell", False):
             run = functools.partial(contextvars.copy_context().run, self._run_quietly)
         thread = threading.Thread(target=run, name=f"nblaunch-{self.plan.function_name}", daemon=True)
-        _unfinished.add(self)
+        if stop_at_exit:
+            _unfinished.add(self)
         thread.start()
 
     def _run_quietly(self) -> None:
         try:
-            self._run()
+            self.run()
         except BaseException:
             pass  # kept in the future; result() raises it
 
@@ -205,14 +216,16 @@ class Launch:
                     self._asked_stacks[event.rank] = event.text
                 self._stacks_answered.notify_all()
 
-    def _run(self) -> list[Any]:
+    def run(self) -> list[Any]:
+        """Run the launch to its end here and return each rank's result, or raise what it
+        raised. Call it, or ``start``, once."""
         plan = self.plan
-        started = self.clock_start = time.monotonic()
+        started = self._clock_start = time.monotonic()
         started_with = dict(
             function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
             node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
             master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices,
-            log_dir=self.log_dir,
+            log_dir=self.log_dir, meeting_point=plan.meeting_point,
         )
         self._emit(LaunchStarted(**dict(started_with, **self._home.describe(plan))))
         outcome: Any = None
@@ -228,7 +241,7 @@ class Launch:
                     root = error.root_cause
                     self._emit(LaunchRestarting(restart=plan.restart, max_restarts=plan.max_restarts,
                                                 failed_rank=root.rank, reason=root.reason.splitlines()[0]))
-            elapsed = time.monotonic() - self.clock_start
+            elapsed = time.monotonic() - self._clock_start
             self._status = "done"
             restarted = f" after {plan.restart} restart{'s' if plan.restart != 1 else ''}" if plan.restart else ""
             self._emit(
@@ -240,7 +253,7 @@ class Launch:
             outcome = results
             return results
         except BaseException as error:
-            self._status, finished = _ending(error, time.monotonic() - self.clock_start, plan)
+            self._status, finished = _ending(error, time.monotonic() - self._clock_start, plan)
             self._emit(finished)
             outcome = error
             raise

@@ -19,12 +19,17 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from nblaunch import proctree
 from nblaunch.events import Event
-from nblaunch.launch import fdtable, registry
-from nblaunch.launch.payload import Payload, package
-from nblaunch.launch.plan import LaunchPlan
-from nblaunch.launch.starting import environ_for_ranks, kill_and_reap, start_workers
-from nblaunch.launch.supervisor import Supervisor
-from nblaunch.launch.workers import WorkerProcess
+from nblaunch.launch import registry
+from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.launch.starting.base import Starter, kill_and_reap
+from nblaunch.launch.starting.fork import ForkStarter
+from nblaunch.launch.starting.payload import Payload, package
+from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.starting.spawn import SpawnStarter
+from nblaunch.launch.starting.xla_host import XlaHostStarter
+from nblaunch.launch.supervising.supervisor import Supervisor
+
+_STARTERS: dict[str, type[Starter]] = {"fork": ForkStarter, "spawn": SpawnStarter, "xla": XlaHostStarter}
 
 
 class RankWatcher(Protocol):
@@ -66,13 +71,15 @@ class LocalHome:
     def __init__(self) -> None:
         self._launch_id = ""
         self._inherited: dict[str, str] = {}
+        self._starter: Starter = ForkStarter()
 
     def prepare(self, plan: LaunchPlan, launch_id: str) -> None:
         # On the caller's thread: the imports for the ranks touch os.environ, which a launch
         # thread must never do, and may fail before anything is open or shown. Every process
         # of the launch inherits the tag, whatever session it makes for itself.
         self._launch_id = launch_id
-        self._inherited = dict(environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: launch_id})
+        self._starter = _STARTERS[plan.start_method]()
+        self._inherited = dict(self._starter.environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: launch_id})
         for message in registry.stop_stale_ranks():
             print(f"nblaunch: {message}", file=sys.stderr)
 
@@ -89,13 +96,10 @@ class LocalHome:
     def attempt(self, plan: LaunchPlan, function: Callable, args: tuple, emit: Callable[[Event], None],
                 timeout: float | None, log_dir: str) -> Iterator[Supervisor]:
         record = None
-        payload: Payload | None = None
         workers: list[WorkerProcess] = []
         supervisor: Supervisor | None = None
         try:
-            if plan.start_method == "spawn":
-                payload = package((function, args))
-            workers = start_workers(plan, function, args, self._inherited, payload)
+            workers = self._starter.start(plan, function, args, self._inherited)
             record = registry.LaunchRecord(
                 launch_id=self._launch_id, launcher_pid=os.getpid(), port=plan.master_port,
                 ranks=[(w.pid, proctree.start_ticks(w.pid)) for w in workers], log_dir=log_dir,
@@ -108,8 +112,7 @@ class LocalHome:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
             raise
         finally:
-            if payload is not None:
-                fdtable.close(payload.fds)  # ranks that mapped the memory keep it
+            self._starter.release()
             if workers and not (supervisor is not None and supervisor.ended_cleanly):
                 # A rank that was killed could not stop what it had started: find it by its marks.
                 if record is not None:

@@ -11,7 +11,7 @@ Example::
         ...
 """
 
-from nblaunch.launch.preimport import import_for_ranks
+from nblaunch.preimport import import_for_ranks
 
 # The first optimizer (or DDP) a process builds imports torch._dynamo: about a second of CPU. Done
 # here, it costs that second once, in the cell that imports the Accelerator; forked ranks inherit

@@ -12,6 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from nblaunch.worker import calls
+
 __all__ = ["GradientState"]
 
 
@@ -75,3 +77,6 @@ def forget_loop_state() -> None:
         state.step = 0
         state.sync_gradients = True
         state._loaders.clear()
+
+
+calls.before_each_call(forget_loop_state)  # a warm rank's call never inherits an interrupted loop

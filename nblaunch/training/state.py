@@ -381,6 +381,19 @@ def _debug_mode() -> bool:
 _RETIRED_GROUPS: list[Any] = []
 
 
+def saved_process_state() -> dict[str, Any]:
+    """This process's distributed state, to put back with :func:`restore_process_state` (the
+    launcher keeps a kernel's own state across a launch that runs in the kernel)."""
+    return dict(PartialState._shared_state)
+
+
+def restore_process_state(saved: dict[str, Any]) -> None:
+    """Forget the state made since ``saved`` was taken (see :func:`reset_process_state`), then
+    put ``saved`` back."""
+    reset_process_state()
+    PartialState._shared_state.update(saved)
+
+
 def reset_process_state() -> None:
     """Forget this process's distributed state (and the calling thread's XLA state); destroy the
     process group if nblaunch made it.

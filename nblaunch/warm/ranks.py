@@ -22,12 +22,15 @@ from typing import Any, Callable
 from nblaunch import wire
 from nblaunch.display import make_display
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
-from nblaunch.launch import fdtable, ipython_errors, pickling
+from nblaunch.homes import choose_home
+from nblaunch.launch import ipython_errors
+from nblaunch.launch.starting import fdtable
+from nblaunch.launch.planning import pickling
 from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
-from nblaunch.launch.handle import Launch, _unfinished
-from nblaunch.launch.homes import LocalHome, RanksHome
-from nblaunch.launch.payload import Payload
-from nblaunch.launch.plan import CLUSTER_CHOICES, make_plan
+from nblaunch.launch.handle import Launch
+from nblaunch.launch.homes import RanksHome
+from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
 from nblaunch.warm.calls import CallRouter, CallTimedOut
 from nblaunch.worker.calls import serve_calls
 
@@ -59,7 +62,7 @@ class WarmRanks:
         self._options = dict(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
                              start_method=start_method, num_nodes=num_nodes, cluster=cluster)
         self._display = display
-        self._home: RanksHome = LocalHome()
+        self._home: RanksHome
         self._plan = self._make_plan()  # bad input is refused here, before anything starts
         if self._plan.start_method == "xla":
             raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
@@ -117,11 +120,11 @@ class WarmRanks:
         launch, self._launch = self._launch, None
         if launch is None or launch.done():
             return
-        launch._send_to_ranks(wire.CLOSE)
+        launch.send(wire.CLOSE)
         try:
             launch.result(timeout=_CLOSE_S)
         except BaseException:
-            launch._cancel(None)
+            launch.cancel()
 
     def __enter__(self) -> "WarmRanks":
         return self
@@ -142,7 +145,8 @@ class WarmRanks:
         call = router.begin(call_id, self._num_ranks)
         shown = make_display(display, self._num_ranks)  # on the cell's thread: shows in this cell
         try:
-            launch.clock_start = started = time.monotonic()
+            launch.reset_clock()
+            started = time.monotonic()
             start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
             if router.calls_before:  # the ranks were not started for this call: say what they are
                 start = dataclasses.replace(start, start_method="warm", start_reason=(
@@ -151,7 +155,7 @@ class WarmRanks:
             shown.on_event(start)
             for rank, pid in sorted(router.pids.items()):
                 shown.on_event(RankStarted(rank=rank, pid=pid))
-            launch._send_to_ranks(wire.CALL, packed.data, packed)
+            launch.send(wire.CALL, packed.data, packed)
             fdtable.close(packed.fds)  # sent: the ranks have their own; less to hold during the call
             self._pump(call, shown, launch, None if timeout is None else started + timeout, timeout)
             if call.ended is not None:
@@ -175,11 +179,11 @@ class WarmRanks:
             for event in call.events(deadline):
                 shown.on_event(event)
         except CallTimedOut:
-            launch._cancel(LaunchTimeoutError(timeout or 0.0, {}))
+            launch.cancel(LaunchTimeoutError(timeout or 0.0, {}))
             for event in call.events(None):
                 shown.on_event(event)
         except KeyboardInterrupt:
-            launch._cancel(LaunchInterrupted("every rank was stopped; where each one was is shown above"))
+            launch.cancel(LaunchInterrupted("every rank was stopped; where each one was is shown above"))
             for event in call.events(None):
                 shown.on_event(event)
 
@@ -196,13 +200,12 @@ class WarmRanks:
             self._plan = self._make_plan()  # a fresh port
         router = CallRouter(self._num_ranks)
         launch = Launch(self._plan, serve_calls, (), None, router, home=self._home)
-        launch._start_in_background()
-        _unfinished.discard(launch)  # warm ranks are closed quietly at exit, see _close_all
+        launch.start(stop_at_exit=False)  # warm ranks are closed quietly at exit, see _close_all
         self._launch, self._router = launch, router
         try:
             router.ranks_up.wait()
         except BaseException:  # interrupted while the ranks start: they must not linger
-            launch._cancel(None)
+            launch.cancel()
             raise
         return launch, router
 
@@ -217,22 +220,16 @@ class WarmRanks:
                   "the next one starts fresh ranks", file=sys.stderr)
         self._launch.result(timeout=_CLOSE_S)  # raises the pool's error, if it had one
 
-    def _make_plan(self) -> Any:
+    def _make_plan(self) -> LaunchPlan:
+        """The pool's plan (a fresh port each time), and its home."""
         o = self._options
-        if o["cluster"] not in CLUSTER_CHOICES:
-            raise LaunchConfigError(f"cluster must be None (this machine) or 'ray', got {o['cluster']!r}")
-        if o["cluster"] == "ray":
-            from nblaunch.cluster.ray_home import plan_ray_launch
-
-            plan, self._home = plan_ray_launch(serve_calls, (), o["num_processes"], o["mixed_precision"],
-                                               o["use_port"], "127.0.0.1", 0, o["num_nodes"], o["start_method"],
-                                               None, "none", 0)
-            return plan
-        if o["num_nodes"] != 1:
+        if o["cluster"] is None and o["num_nodes"] != 1:
             raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray', "
                                     f"or leave num_nodes out (got num_nodes={o['num_nodes']!r})")
-        return make_plan(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"], "127.0.0.1",
-                         0, 1, o["start_method"], None, "none", force_cpu=False)
+        request = LaunchRequest(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"],
+                                num_nodes=o["num_nodes"], start_method=o["start_method"], display="none")
+        plan, self._home = choose_home(request, o["cluster"])
+        return plan
 
     def _package_call(self, call_id: int, function: Callable, args: tuple) -> Payload:
         """The call for the ranks (big tensors and arrays in memfds on one machine, as for a

@@ -67,7 +67,7 @@ def run_forked(
 def settle_forked_child(parent_pid: int) -> None:
     """First steps of any process the launcher forks: a process group of its own (then SIGINT,
     blocked across the fork, may come in), and death with the launcher. The launcher's other
-    descriptors were closed at the fork (``nblaunch.launch.fdtable``)."""
+    descriptors were closed at the fork (``nblaunch.launch.starting.fdtable``)."""
     os.setpgid(0, 0)
     # Forked from the launcher's forking thread, which is now this process's main thread: give it
     # the main thread's name back (stacks say "Thread MainThread"; some libraries check the name).
@@ -118,7 +118,7 @@ def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
         torch = sys.modules.get("torch")  # forked from a parent that imported torch
         if torch is not None:
             torch.set_num_threads(settings.threads)
-    channel.open_channel(event_fd, settings.rank)
+    channel.open_channel(event_fd)
     forget_accelerate_state()  # forked from a kernel where Accelerate ran: start afresh
     prepare_process()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 import linecache
 import queue
-from typing import Any
+from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.worker import channel, payload
@@ -32,6 +32,15 @@ from nblaunch.worker.streams import flush_streams
 
 _inbox: queue.SimpleQueue = queue.SimpleQueue()
 namespace: dict[str, Any] = {"__name__": "__main__"}  # what ``%%distributed`` cells define, per rank
+_before_each_call: list[Callable[[], None]] = []
+
+
+def before_each_call(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` before every call this rank serves. The training side registers the
+    forgetting of an interrupted loop's bookkeeping when it is imported (nothing to forget
+    before that), so this module never imports it."""
+    if hook not in _before_each_call:
+        _before_each_call.append(hook)
 
 
 def deliver(kind: bytes, body: bytes, shared: tuple[dict[int, int], list] | None = None) -> None:
@@ -48,7 +57,8 @@ def serve_calls() -> None:
             return None
         local_fd, buffers = shared or ({}, [])
         call_id, function, args = payload.load(body, buffers, local_fd)
-        _clean_training_state()
+        for hook in _before_each_call:
+            hook()
         result = function(*args)
         flush_streams()
         channel.send(wire.CALL_RESULT, _reply(call_id, result))
@@ -77,9 +87,3 @@ def run_code(source: str, sent: dict[str, Any], filename: str = "<distributed ce
     if last is None:
         return None
     return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
-
-
-def _clean_training_state() -> None:
-    from nblaunch.training.gradient_state import forget_loop_state
-
-    forget_loop_state()

@@ -28,48 +28,39 @@ class _Endpoint(threading.local):
     where one process runs several ranks, one thread each."""
 
     fd: int | None = None
-    rank: int | None = None
 
 
 _process_fd: int | None = None
-_process_rank: int | None = None
 _thread = _Endpoint()
 
 
-def open_channel(fd: int, rank: int, *, this_thread_only: bool = False) -> None:
+def open_channel(fd: int, *, this_thread_only: bool = False) -> None:
     """Called by the bootstrap before the user's function runs; the user never needs it."""
-    global _process_fd, _process_rank
+    global _process_fd
     if this_thread_only:
-        _thread.fd, _thread.rank = fd, rank
+        _thread.fd = fd
     else:
-        _process_fd, _process_rank = fd, rank
+        _process_fd = fd
 
 
 def close_channel() -> None:
-    global _process_fd, _process_rank
-    _process_fd = _process_rank = None
-    _thread.fd = _thread.rank = None
+    global _process_fd
+    _process_fd = None
+    _thread.fd = None
 
 
-def _endpoint() -> tuple[int | None, int | None]:
-    if _thread.fd is not None:
-        return _thread.fd, _thread.rank
-    return _process_fd, _process_rank
+def _endpoint() -> int | None:
+    return _thread.fd if _thread.fd is not None else _process_fd
 
 
 def in_launch() -> bool:
     """True inside a worker started by nblaunch."""
-    return _endpoint()[0] is not None
-
-
-def launch_rank() -> int | None:
-    """The local rank of this worker (of this thread, on XLA), or None outside a launch."""
-    return _endpoint()[1]
+    return _endpoint() is not None
 
 
 def send(kind: bytes, body: bytes, fd: int | None = None) -> bool:
     """Send one frame to the launcher (to ``fd`` if given); False outside a launch."""
-    fd = _endpoint()[0] if fd is None else fd
+    fd = _endpoint() if fd is None else fd
     if fd is None:
         return False
     with _lock:

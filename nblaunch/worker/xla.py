@@ -125,7 +125,7 @@ class DeviceEntry:
         rank = xr.local_ordinal()
         ends = self.ranks[rank]
         self._set_up_process(first_rank=rank)
-        channel.open_channel(ends.events, rank, this_thread_only=True)
+        channel.open_channel(ends.events, this_thread_only=True)
         DeviceEntry._router.bind(line_stream(ends.stdout))
         DeviceEntry._router_err.bind(line_stream(ends.stderr))
         try:

@@ -28,7 +28,7 @@ def read_progress(fd: int) -> list[tuple]:
 @pytest.fixture
 def pipe_channel():
     read_fd, write_fd = os.pipe()
-    channel.open_channel(write_fd, rank=0)
+    channel.open_channel(write_fd)
     yield read_fd, write_fd
     channel.close_channel()
     for fd in (read_fd, write_fd):

@@ -57,6 +57,6 @@ def imported_before() -> None:
 
 
 if __name__ == "__main__":
-    channel.open_channel(int(sys.argv[1]), rank=0)
+    channel.open_channel(int(sys.argv[1]))
     {"lazy": lazy, "imported_before": imported_before}[sys.argv[2]]()
     channel.close_channel()

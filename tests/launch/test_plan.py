@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nblaunch import LaunchConfigError
-from nblaunch.launch import devices
-from nblaunch.launch.plan import make_plan
+from nblaunch.launch.planning import devices
+from nblaunch.launch.planning.plan import LaunchRequest, make_plan
 
 
 def noop():
@@ -19,7 +19,7 @@ def plan(**overrides):
         node_rank=0, num_nodes=1, start_method=None, timeout=None, display="none", force_cpu=False,
     )
     arguments.update(overrides)
-    return make_plan(**arguments)
+    return make_plan(LaunchRequest(**arguments))
 
 
 def test_fork_is_chosen_on_a_cpu_machine_and_the_reason_is_given():

@@ -12,8 +12,8 @@ import types
 import pytest
 
 from nblaunch import RankFailedError, notebook_launcher
-from nblaunch.launch.supervisor import Supervisor
-from nblaunch.launch.workers import _fork, _Pipes
+from nblaunch.launch.supervising.supervisor import Supervisor
+from nblaunch.launch.starting.processes import Pipes, fork_process
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 
 
@@ -170,7 +170,7 @@ def never_runs():
 def start_rank_with_closed(closed: list[str], recorder) -> RankFailedError:
     """Fork one rank the way a launch does, but with some of its pipe ends closed first (what
     a nested launch used to do to its ranks), and supervise it."""
-    pipes = _Pipes.open()
+    pipes = Pipes.open()
     settings = WorkerSettings(rank=0, environ={}, threads=None, parent_pid=os.getpid(), sys_path=list(sys.path))
 
     def child():
@@ -179,7 +179,7 @@ def start_rank_with_closed(closed: list[str], recorder) -> RankFailedError:
         run_forked(settings, never_runs, (), stdout_fd=pipes.stdout[1], stderr_fd=pipes.stderr[1],
                    event_fd=pipes.events[1], control_fd=pipes.control[0])
 
-    worker = _fork({0: pipes}, child)
+    worker = fork_process({0: pipes}, child)
     with pytest.raises(RankFailedError) as info:
         Supervisor([worker], recorder.on_event, timeout=60).run()
     return info.value

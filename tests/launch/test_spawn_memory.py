@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import notebook_launcher
-from nblaunch.launch import fdtable, payload
+from nblaunch.launch.starting import fdtable, payload
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfds")
 

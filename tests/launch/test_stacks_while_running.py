@@ -10,7 +10,7 @@ import pytest
 from nblaunch import notebook_launcher
 from nblaunch.events import RankState, Stacks
 from nblaunch.launch.errors import LaunchCancelledError
-from nblaunch.launch.quiet import QuietWatch
+from nblaunch.launch.supervising.quiet import QuietWatch
 
 
 def waits_here(go: str) -> int:
@@ -66,7 +66,7 @@ def sleeps_quietly(seconds: float) -> int:
 
 
 def test_a_launch_gone_quiet_shows_every_ranks_stack_by_itself(monkeypatch, recorder):
-    monkeypatch.setattr("nblaunch.launch.supervisor.QUIET_STACKS_S", 0.3)
+    monkeypatch.setattr("nblaunch.launch.supervising.supervisor.QUIET_STACKS_S", 0.3)
     assert notebook_launcher(sleeps_quietly, args=(2.0,), num_processes=2, display=recorder) == [0, 1]
     quiet = [e for e in recorder.of(Stacks) if e.why == "quiet"]
     assert {e.rank for e in quiet} == {0, 1}

@@ -12,7 +12,7 @@ def _fresh_process_state():
 
 def run_launch(function, *args, num_processes=2, display="none"):
     """Run ``function(*args)`` in real worker processes; returns each rank's result."""
-    from nblaunch.launch.api import notebook_launcher
+    from nblaunch.api import notebook_launcher
 
     return notebook_launcher(function, args=args, num_processes=num_processes, display=display)
 

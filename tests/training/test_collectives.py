@@ -64,7 +64,7 @@ def _collectives(tmp):
 
 def test_collectives_in_two_processes(recorder, tmp_path):
     from nblaunch.events import Metrics
-    from nblaunch.launch.api import notebook_launcher
+    from nblaunch.api import notebook_launcher
 
     r0, r1 = notebook_launcher(_collectives, args=(str(tmp_path),), num_processes=2, display=recorder)
     assert r0["state"] == (0, 0, 2, "cpu", True, True, "MULTI_CPU")

@@ -117,7 +117,7 @@ def test_mixed_precision_trains_on_cpu(launch, precision):
         acc = Accelerator()  # the mode comes from the launcher through NBLAUNCH_MIXED_PRECISION
         r = train(4, epochs=3, mixed_precision=None, lr=0.05)
         return acc.mixed_precision, r["losses"], acc.scaler is not None
-    from nblaunch.launch.api import notebook_launcher
+    from nblaunch.api import notebook_launcher
     results = notebook_launcher(run, num_processes=2, mixed_precision=precision, display="none")
     for mode, losses, has_scaler in results:
         assert mode == precision

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import RankFailedError, wire
-from nblaunch.launch import fdtable, payload
+from nblaunch.launch.starting import fdtable, payload
 from nblaunch.warm.ranks import WarmRanks
 
 
@@ -81,7 +81,7 @@ def test_a_call_whose_memfds_went_missing_fails_loudly_instead_of_hanging():
         pool.run(os.getpid)
         # A SHARED frame announcing a memfd that never came: the rank's control thread cannot
         # go on, and must say so rather than leave the next call waiting forever.
-        pool._launch._send_to_ranks(wire.SHARED, pickle.dumps(([999], [])))
+        pool._launch.send(wire.SHARED, pickle.dumps(([999], [])))
         with pytest.raises(RankFailedError, match="control thread"):
             pool._launch.result(timeout=60)  # the ranks end now, between calls
         # The next call raises that failure (nobody saw it yet); the one after starts afresh.

@@ -1,4 +1,7 @@
-"""``notebook_launcher`` and ``debug_launcher``: the public way to start a launch."""
+"""``notebook_launcher`` and ``debug_launcher``: the public way to start a launch.
+
+The top of the house: it may use every other part (the launch, its homes, warm ranks).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,11 @@ import sys
 from typing import Any, Callable
 
 from nblaunch.events import Display
-from nblaunch.launch import ipython_errors, pickling
+from nblaunch.homes import choose_home
+from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.plan import CLUSTER_CHOICES, LaunchPlan, make_plan
+from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.inherited import restore_accelerate_state, save_accelerate_state
 
@@ -90,48 +94,28 @@ def notebook_launcher(
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
     if ranks is not None:
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, max_restarts, num_nodes, timeout, display)
-    if cluster not in CLUSTER_CHOICES:
-        raise LaunchConfigError(f"cluster must be None (this machine) or 'ray', got {cluster!r}")
-    if cluster == "ray":
-        from nblaunch.cluster.ray_home import plan_ray_launch
-
-        plan, home = plan_ray_launch(function, args, num_processes, mixed_precision, use_port, master_addr,
-                                     node_rank, num_nodes, start_method, timeout, display, max_restarts,
-                                     monitor_interval, rdzv_backend)
-        ipython_errors.install()
-        return _launch(Launch(plan, function, args, timeout, display, home=home), block)
-    plan = make_plan(
-        function, args, num_processes, mixed_precision, use_port, master_addr,
-        node_rank, num_nodes, start_method, timeout, display, force_cpu=False,
-        max_restarts=max_restarts, monitor_interval=monitor_interval, rdzv_backend=rdzv_backend,
-    )
-    pickling.check_picklable(function, args)
+    request = LaunchRequest(function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
+                            num_nodes, start_method, timeout, display, max_restarts=max_restarts,
+                            monitor_interval=monitor_interval, rdzv_backend=rdzv_backend)
+    plan, home = choose_home(request, cluster)
     ipython_errors.install()
     # One rank runs here, except on XLA: the runtime would start in this process and break
-    # every later xmp.spawn (torch_xla's own nprocs=1 has that trap).
-    # (A timeout needs a rank that can be stopped, a restart one that can be started again: then
-    # even one rank runs in a process of its own.)
-    if (block and plan.num_processes == 1 and plan.num_nodes == 1 and plan.start_method != "xla"
-            and timeout is None and not plan.max_restarts):
-        return [_run_in_process(plan, function, args)]
-    return _launch(Launch(plan, function, args, timeout, display), block)
-
-
-def _launch(launch: Launch, block: bool) -> list[Any] | Launch:
-    """Run ``launch`` to its end here, or in the background when not ``block``."""
-    __tracebackhide__ = True
-    if block:
-        try:
-            return launch._run()
-        except BaseException as error:
-            # What went wrong is in the error (the rank's own traceback is chained to it); the
-            # launcher's frames it passed through would only bury that.
-            raise error.with_traceback(None)
-    set_stop_handler = getattr(launch._display, "set_stop_handler", None)
-    if set_stop_handler is not None:  # the widget's Stop button: it can only work when not blocking
-        set_stop_handler(launch.cancel, launch._ask_for_stacks)
-    launch._start_in_background()
-    return launch
+    # every later xmp.spawn (torch_xla's own nprocs=1 has that trap). A timeout needs a rank
+    # that can be stopped, a restart one that can be started again: then even one rank runs in
+    # a process of its own.
+    if (block and cluster is None and plan.num_processes == 1 and plan.num_nodes == 1
+            and plan.start_method != "xla" and timeout is None and not plan.max_restarts):
+        return [_run_in_this_process(plan, function, args)]
+    launch = Launch(plan, function, args, timeout, display, home=home)
+    if not block:
+        launch.start()
+        return launch
+    try:
+        return launch.run()
+    except BaseException as error:
+        # What went wrong is in the error (the rank's own traceback is chained to it); the
+        # launcher's frames it passed through would only bury that.
+        raise error.with_traceback(None)
 
 
 def _run_on_warm_ranks(ranks: WarmRanks, function: Callable, args: tuple, num_processes: Any, block: bool,
@@ -159,21 +143,18 @@ def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes
         >>> debug_launcher(lambda: __import__("os").environ["RANK"], num_processes=2)  # doctest: +SKIP
         ['0', '1']
     """
-    plan = make_plan(
-        function, args, num_processes, "no", None, "127.0.0.1", 0, 1, None, None, "auto", force_cpu=True,
-    )
-    pickling.check_picklable(function, args)
-    return Launch(plan, function, args, None, "auto")._run()
+    plan, home = choose_home(LaunchRequest(function, args, num_processes, force_cpu=True), cluster=None)
+    return Launch(plan, function, args, None, "auto", home=home).run()
 
 
-def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
-    """One process: run here, with the rank variables set only for the call."""
+def _run_in_this_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
+    """One process: run here, with the rank variables set only for the call; the kernel's own
+    process state (an Accelerator made in a cell before, a process group) is as it was after."""
     environ = plan.rank_environ(0)
     saved = {name: os.environ.get(name) for name in environ}
     dist = sys.modules.get("torch.distributed")
     had_group = bool(dist is not None and dist.is_available() and dist.is_initialized())
-    state = sys.modules.get("nblaunch.training.state")
-    ours = dict(state.PartialState._shared_state) if state is not None else {}
+    kept = _training_state().saved_process_state() if _training_loaded() else {}
     accelerates = save_accelerate_state()
     os.environ.update(environ)
     try:
@@ -184,12 +165,21 @@ def _run_in_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        # The kernel's own states (an Accelerator made in a cell before) are as they were.
-        state = sys.modules.get("nblaunch.training.state")
-        if state is not None:
-            state.reset_process_state()
-            state.PartialState._shared_state.update(ours)
+        if _training_loaded():  # loaded before, or by the function
+            _training_state().restore_process_state(kept)
         restore_accelerate_state(accelerates)
         dist = sys.modules.get("torch.distributed")
         if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # the function's own group must not outlive the call
+
+
+def _training_loaded() -> bool:
+    return "nblaunch.training" in sys.modules
+
+
+def _training_state() -> Any:
+    # Deferred: only once the training side is loaded; importing it for a launch that does not
+    # train would cost the kernel a second.
+    from nblaunch.training import state
+
+    return state

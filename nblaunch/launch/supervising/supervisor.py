@@ -37,12 +37,13 @@ from nblaunch.launch.errors import (
     RankFailure,
     failure_from_exit,
     failure_from_report,
+    root_cause_first,
 )
-from nblaunch.launch.diagnosis import explain_peer_left
-from nblaunch.launch.payload import Payload
-from nblaunch.launch.quiet import QUIET_STACKS_S, QuietWatch
-from nblaunch.launch.watched import WatchedRank
-from nblaunch.launch.workers import WorkerProcess
+from nblaunch.launch.supervising.diagnosis import explain_peer_left
+from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.supervising.quiet import QUIET_STACKS_S, QuietWatch
+from nblaunch.launch.supervising.watched import WatchedRank
+from nblaunch.launch.starting.processes import WorkerProcess
 
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
@@ -386,15 +387,10 @@ class Supervisor:
             self._wake_read = self._wake_write = -1
 
     def _failure_error(self, failures: list[WatchedRank]) -> RankFailedError:
-        # The root cause first: a rank's own error before errors that a dead peer caused, then
-        # in the order the display showed them failing, so that what the user saw first is what
-        # is blamed (ranks failing on the same line differ by a millisecond either way).
-        shown = {number: i for i, number in enumerate(self._shown_failed)}
-        ordered = sorted(failures, key=lambda r: (r.failure.collateral, shown.get(r.number, len(shown)), r.failed_at))
-        root = ordered[0].failure
+        in_time_order = sorted(failures, key=lambda r: r.failed_at)
+        ordered = root_cause_first([r.failure for r in in_time_order], self._shown_failed)
+        root = ordered[0]
         finished = sorted(r.number for r in self._ranks.values() if r.has_result and r.failure is None)
         if root.collateral and finished:  # nobody broke: someone left while others still waited
             explain_peer_left(root, finished)
-        error = RankFailedError([r.failure for r in ordered], self.stacks)
-        error.__cause__ = ordered[0].failure.exception
-        return error
+        return RankFailedError(ordered, self.stacks)

@@ -1,27 +1,51 @@
-"""Deciding how a launch will run, from the user's arguments and what this machine has.
+"""Deciding how a launch will run, from what the caller asked (:class:`LaunchRequest`) and
+what this machine has: the :class:`LaunchPlan`.
 
-All checks happen here, before any process starts: a refused launch leaves nothing behind.
+All checks happen here (``checks`` holds those every home shares), before any process starts:
+a refused launch leaves nothing behind.
+
+Example::
+
+    plan = make_plan(LaunchRequest(train, num_processes=2))
+    plan.start_method, plan.master_port   # ("fork", 41231)
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-import operator
 import os
-import resource
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from nblaunch.display import DISPLAY_CHOICES
-from nblaunch.launch import devices, ports, xla
 from nblaunch.launch.errors import LaunchConfigError
-from nblaunch.launch.threads import threads_per_worker
+from nblaunch.launch.planning import devices, ports, xla
+from nblaunch.launch.planning.checks import (check_basics, check_elastic_arguments, check_open_files,
+                                             check_restarts, port_number, positive_int)
+from nblaunch.launch.planning.threads import threads_per_worker
 
-MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 START_METHODS = ("fork", "spawn", "xla")
-CLUSTER_CHOICES = (None, "ray")  # None: this machine
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the caller asked for, as given (``notebook_launcher``'s arguments, unchecked):
+    ``make_plan`` checks it. ``force_cpu`` hides the GPUs (``debug_launcher``)."""
+
+    function: Callable
+    args: Any = ()
+    num_processes: Any = None
+    mixed_precision: Any = "no"
+    use_port: Any = None
+    master_addr: Any = "127.0.0.1"
+    node_rank: Any = 0
+    num_nodes: Any = 1
+    start_method: Any = None
+    timeout: Any = None
+    display: Any = "auto"
+    force_cpu: bool = False
+    max_restarts: Any = 0
+    monitor_interval: Any = 0.1
+    rdzv_backend: Any = "static"
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,11 @@ class LaunchPlan:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.num_processes
+
+    @property
+    def meeting_point(self) -> str:
+        """Where the ranks meet, when it is not ``master_addr:master_port``."""
+        return "torch_xla" if self.start_method == "xla" else ""
 
     @property
     def devices(self) -> str:
@@ -88,26 +117,6 @@ class LaunchPlan:
         return env
 
 
-def positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LaunchConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def port_number(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        # Accelerate's callers pass strings such as "29500"; numpy ints are ints; 2.5 is no port
-        # (int() would say 2)
-        port = int(value) if isinstance(value, str) else operator.index(value)
-    except (TypeError, ValueError):
-        port = -1
-    if isinstance(value, bool) or not 0 < port < 65536:
-        raise LaunchConfigError(f"use_port must be a port number (1-65535) or None for a free port, got {value!r}")
-    return port
-
-
 def plural(count: int, noun: str) -> str:
     """``1 thread``, ``2 threads``."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
@@ -136,113 +145,21 @@ def start_method_for(requested: str | None, force_cpu: bool) -> tuple[str, str]:
     return "fork", "the quickest start: each process begins as a copy of this one"
 
 
-def check_call(function: Callable, args: tuple) -> None:
-    """Refuse, before any process starts, a function that each rank could not call and return
-    from: coroutine and generator functions, and arguments that do not fit its signature."""
-    name = getattr(function, "__qualname__", None) or repr(function)
-    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
-        raise LaunchConfigError(
-            f"{name} is an async function; each rank calls it plainly, with no event loop. Launch a plain "
-            f"function that runs it: def train(*args): return asyncio.run({name}(*args))"
-        )
-    if inspect.isgeneratorfunction(function):
-        raise LaunchConfigError(
-            f"{name} is a generator function; its generator could not be sent back from the ranks. "
-            "Return a list instead (e.g. return list(...))."
-        )
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return  # builtins and some C callables have none: nothing to check against
-    try:
-        signature.bind(*args)
-    except TypeError as error:
-        raise LaunchConfigError(
-            f"{name}{signature} cannot be called with args={args!r}: {error}. Pass args=(...) with one "
-            "value per parameter."
-        ) from None
-
-
-# Open files the launcher holds per rank: 4 pipe ends, a pidfd, a log file (and, while a rank
-# starts, its 4 other pipe ends); plus a few for the launch itself.
-_FILES_PER_RANK = 10
-_FILES_PER_LAUNCH = 16
-
-
-def check_open_files(num_processes: int) -> None:
-    """Refuse a launch that would run out of file descriptors halfway through starting."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return
-    needed = in_use + _FILES_PER_RANK * num_processes + _FILES_PER_LAUNCH
-    if needed > soft:
-        can_raise = hard == resource.RLIM_INFINITY or needed <= hard
-        how = (f"raise the limit first: import resource; resource.setrlimit(resource.RLIMIT_NOFILE, "
-               f"({needed}, {'resource.RLIM_INFINITY' if hard == resource.RLIM_INFINITY else hard}))"
-               if can_raise else f"the hard limit is {hard}: use fewer processes or raise it (ulimit -Hn)")
-        raise LaunchConfigError(
-            f"num_processes={num_processes} needs about {needed} open files in this process, but the limit "
-            f"is {soft} (ulimit -n); {how}"
-        )
-
-
-def check_basics(function: Any, args: Any, mixed_precision: Any, timeout: Any, display: Any) -> str:
-    """The checks every launch shares, wherever its ranks run; returns ``mixed_precision``
-    in lower case. Raises LaunchConfigError."""
-    if not callable(function):
-        raise LaunchConfigError(f"function must be callable (the training function to run), got {type(function).__name__}")
-    if not isinstance(args, tuple):
-        raise LaunchConfigError(f"args must be a tuple of arguments for the function, got {type(args).__name__}; e.g. args=(lr,)")
-    if not isinstance(mixed_precision, str) or mixed_precision.lower() not in MIXED_PRECISION_CHOICES:
-        raise LaunchConfigError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got {mixed_precision!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout <= 0):
-        raise LaunchConfigError(
-            f"timeout must be a positive, finite number of seconds, or None for no limit; got {timeout!r}"
-        )
-    if isinstance(display, str):
-        if display not in DISPLAY_CHOICES:
-            raise LaunchConfigError(f"display must be one of {', '.join(DISPLAY_CHOICES)}, got {display!r}")
-    elif not (callable(getattr(display, "on_event", None)) and callable(getattr(display, "close", None))):
-        raise LaunchConfigError(
-            f"display must be one of {', '.join(DISPLAY_CHOICES)} or an object with on_event(event) and "
-            f"close() methods; got a {type(display).__name__}"
-        )
-    check_call(function, args)
-    return mixed_precision.lower()
-
-
-def make_plan(
-    function: Callable,
-    args: Any,
-    num_processes: Any,
-    mixed_precision: Any,
-    use_port: Any,
-    master_addr: Any,
-    node_rank: Any,
-    num_nodes: Any,
-    start_method: Any,
-    timeout: Any,
-    display: Any,
-    force_cpu: bool,
-    max_restarts: Any = 0,
-    monitor_interval: Any = 0.1,
-    rdzv_backend: Any = "static",
-) -> LaunchPlan:
-    """Check every argument and decide how to launch; raises LaunchConfigError on bad input."""
-    mixed_precision = check_basics(function, args, mixed_precision, timeout, display)
-    num_nodes = positive_int("num_nodes", num_nodes)
+def make_plan(request: LaunchRequest) -> LaunchPlan:
+    """Check every argument and decide how to launch on this machine; raises LaunchConfigError
+    on bad input."""
+    r = request
+    function, num_processes, master_addr, node_rank, start_method, force_cpu = (
+        r.function, r.num_processes, r.master_addr, r.node_rank, r.start_method, r.force_cpu)
+    mixed_precision = check_basics(function, r.args, r.mixed_precision, r.timeout, r.display)
+    num_nodes = positive_int("num_nodes", r.num_nodes)
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
         raise LaunchConfigError(f"node_rank must be an int in 0..num_nodes-1 (num_nodes={num_nodes}), got {node_rank!r}")
     if not isinstance(master_addr, str) or not master_addr:
         raise LaunchConfigError(f"master_addr must be a host name or address, got {master_addr!r}")
-    max_restarts = _restarts(max_restarts, num_nodes, start_method)
-    check_elastic_arguments(monitor_interval, rdzv_backend)
-    port = port_number(use_port)
+    max_restarts = check_restarts(r.max_restarts, num_nodes)
+    check_elastic_arguments(r.monitor_interval, r.rdzv_backend)
+    port = port_number(r.use_port)
     if port is None and num_nodes > 1:
         raise LaunchConfigError(
             "with num_nodes > 1, every node must agree on the port: pass the same use_port=... on every node"
@@ -289,29 +206,6 @@ def make_plan(
         max_restarts=max_restarts,
         port_pinned=port is not None,
     )
-
-
-def _restarts(value: Any, num_nodes: int, start_method: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise LaunchConfigError(f"max_restarts must be an int >= 0 (0: no restart), got {value!r}")
-    if value and num_nodes > 1:
-        raise LaunchConfigError(
-            "max_restarts works on one machine only for now: with num_nodes > 1 the nodes could not agree on "
-            "when to restart. Pass max_restarts=0, or resume from a checkpoint with a new launch."
-        )
-    return value
-
-
-def check_elastic_arguments(monitor_interval: Any, rdzv_backend: Any) -> None:
-    """Accelerate's elastic-launch arguments: accepted where they mean something here."""
-    if (isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float))
-            or not math.isfinite(monitor_interval) or monitor_interval <= 0):
-        raise LaunchConfigError(f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}")
-    if rdzv_backend not in ("static", "c10d"):
-        raise LaunchConfigError(
-            f"rdzv_backend must be 'static' or 'c10d', got {rdzv_backend!r}; nblaunch knows every rank up front, "
-            "so both mean the same here"
-        )
 
 
 def _xla_plan(function: Callable, num_processes: Any, mixed_precision: str, master_addr: str,

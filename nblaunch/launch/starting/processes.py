@@ -1,10 +1,12 @@
-"""Starting worker processes (fork or spawn) and the launcher's handle on each one.
+"""The launcher's handle on a worker process and on each rank's pipes; forking a process.
 
 Each rank gets three pipes and a socket: its stdout and stderr (fds 1 and 2, so C-level output
 is caught too), an event pipe (results, errors, metrics, progress, stacks) and a control socket
 (the spawn payload, stack-dump requests, a warm rank's calls with their memfds; EOF tells the
 rank its launcher is gone). Each rank leads a process group of its own,
 so stopping it also stops the processes it started (DataLoader workers).
+
+The ways of starting a process (``fork``, ``spawn``, ``xla_host``) build on what is here.
 """
 
 from __future__ import annotations
@@ -15,19 +17,15 @@ import pickle
 import re
 import signal
 import subprocess
-import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn
 
-import nblaunch
 from nblaunch import proctree, wire
-from nblaunch.launch import fdtable
-from nblaunch.launch.forking_thread import run_on_forking_thread
-from nblaunch.launch.payload import Payload
-from nblaunch.worker.bootstrap import WorkerSettings, run_forked
-from nblaunch.worker.xla import RankEnds, run_host
+from nblaunch.launch.starting import fdtable
+from nblaunch.launch.starting.forking_thread import run_on_forking_thread
+from nblaunch.launch.starting.payload import Payload
 
 # Python 3.12+ warns at every fork in a threaded process; a Jupyter kernel always has threads.
 # The child runs only our bootstrap and the user's function, the same bet torch.multiprocessing's
@@ -151,14 +149,14 @@ class WorkerProcess:
 
 
 @dataclass
-class _Pipes:
+class Pipes:
     stdout: tuple[int, int]
     stderr: tuple[int, int]
     events: tuple[int, int]
     control: tuple[int, int]  # (the rank's end, the launcher's end) of a socketpair
 
     @classmethod
-    def open(cls) -> "_Pipes":
+    def open(cls) -> "Pipes":
         pipes = cls(fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_pipe(), fdtable.new_socketpair())
         for read_end, _ in (pipes.stdout, pipes.stderr, pipes.events):
             try:
@@ -176,7 +174,7 @@ class _Pipes:
         return [self.stdout[1], self.stderr[1], self.events[1], self.control[0]]
 
 
-def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) -> WorkerProcess:
+def handle_for(pid: int, ranks: dict[int, Pipes], popen: subprocess.Popen | None) -> WorkerProcess:
     links = {rank: f"socket:[{os.fstat(p.control[0]).st_ino}]" for rank, p in ranks.items()}
     fdtable.close([fd for pipes in ranks.values() for fd in pipes.worker_ends])  # the worker has them
     for pipes in ranks.values():
@@ -201,7 +199,7 @@ def _handle(pid: int, ranks: dict[int, _Pipes], popen: subprocess.Popen | None) 
     )
 
 
-def _fork(ranks: dict[int, _Pipes], child: Callable[[], NoReturn]) -> WorkerProcess:
+def fork_process(ranks: dict[int, Pipes], child: Callable[[], NoReturn]) -> WorkerProcess:
     """Fork a process that hosts ``ranks``; in it, ``child()`` runs and never returns.
 
     The child keeps only its own pipe ends (``fdtable``). SIGINT stays blocked in it until it
@@ -210,7 +208,7 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[], NoReturn]) -> WorkerProc
     """
     own_ends = [fd for pipes in ranks.values() for fd in pipes.worker_ends]
 
-    def fork() -> int:  # on the forking thread: see nblaunch.launch.forking_thread
+    def fork() -> int:  # on the forking thread: see nblaunch.launch.starting.forking_thread
         with fdtable.forking(own_ends):
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             pid = os.fork()
@@ -227,70 +225,9 @@ def _fork(ranks: dict[int, _Pipes], child: Callable[[], NoReturn]) -> WorkerProc
         return pid
 
     def undo(pid: int) -> None:  # interrupted meanwhile: nobody would own this process
-        worker = _handle(pid, ranks, popen=None)
+        worker = handle_for(pid, ranks, popen=None)
         worker.kill()
         worker.wait()
         worker.close()
 
-    return _handle(run_on_forking_thread(fork, undo), ranks, popen=None)
-
-
-def start_forked(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:
-    """Fork one rank. The child shares the parent's memory (data sets are not copied)."""
-    pipes = _Pipes.open()
-    return _fork(
-        {settings.rank: pipes},
-        lambda: run_forked(
-            settings,
-            function,
-            args,
-            stdout_fd=pipes.stdout[1],
-            stderr_fd=pipes.stderr[1],
-            event_fd=pipes.events[1],
-            control_fd=pipes.control[0],
-        ),
-    )
-
-
-def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
-    """Fork the process that runs torch_xla's xmp.spawn; it and its children host every rank.
-
-    The launcher imports torch_xla first (``starting.environ_for_ranks``), so the fork inherits it."""
-    ranks = {rank: _Pipes.open() for rank in range(num_ranks)}
-    ends = {rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()}
-    parent = os.getpid()
-    return _fork(ranks, lambda: run_host(environ, parent, packed_function, ends))
-
-
-def start_spawned(settings: WorkerSettings, payload: Payload, environ: dict[str, str]) -> WorkerProcess:
-    """Start one rank as a fresh interpreter that receives the function on its control pipe."""
-    pipes = _Pipes.open()
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(nblaunch.__file__)))
-    env = dict(environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "nblaunch.worker", str(pipes.control[0]), str(pipes.events[1]), str(os.getpid())],
-        stdin=subprocess.DEVNULL,
-        stdout=pipes.stdout[1],
-        stderr=pipes.stderr[1],
-        pass_fds=(pipes.control[0], pipes.events[1], *payload.fds),  # memfds: mapped by their numbers
-        env=env,
-        start_new_session=True,  # a process group of its own, like a forked rank
-    )
-    worker = _handle(popen.pid, {settings.rank: pipes}, popen=popen)
-    head = wire.encode(wire.SPAWN_SETTINGS, pickle.dumps((settings, payload.buffers), protocol=pickle.HIGHEST_PROTOCOL))
-    # The pickle is written as it is, never joined to a header: no copy of it per rank.
-    pieces = [head, wire.HEADER.pack(wire.PAYLOAD, len(payload.data)), payload.data]
-    # A thread, because a large payload fills the pipe before the child starts reading it.
-    rank = worker.ranks[0]
-    rank.payload_sender = threading.Thread(target=_send_payload, args=(rank.control_fd, pieces), daemon=True)
-    rank.payload_sender.start()
-    return worker
-
-
-def _send_payload(fd: int, pieces: list[bytes]) -> None:
-    try:
-        for piece in pieces:
-            wire.write_all(fd, piece)
-    except OSError:
-        pass  # the rank died before reading it; the supervisor reports that
+    return handle_for(run_on_forking_thread(fork, undo), ranks, popen=None)

@@ -1,0 +1,68 @@
+"""How a launch's processes start: one :class:`Starter` per way (fork, spawn, the XLA host).
+
+A :class:`~nblaunch.launch.homes.LocalHome` picks the starter its plan names and asks it, per
+attempt, for every process of the launch. Example::
+
+    starter = ForkStarter()
+    environ = starter.environ_for_ranks(plan)          # on the caller's thread, once per launch
+    workers = starter.start(plan, train, (), environ)  # one WorkerProcess per rank (XLA: one host)
+    ...
+    starter.release()                                  # after the attempt, whatever happened
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.worker.bootstrap import WorkerSettings
+
+
+class Starter(ABC):
+    """One way of starting the processes of a launch."""
+
+    def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
+        """Import here, once per launch, what every rank would otherwise import itself; return the
+        variables those imports set, for the ranks. Runs on the caller's thread (imports touch
+        ``os.environ``, which a launch thread must never do)."""
+        return {}
+
+    @abstractmethod
+    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
+        """Start every process of one attempt; ``environ`` is added to each rank's variables. If
+        starting fails midway, what was started is stopped before the error is raised."""
+
+    def release(self) -> None:
+        """Free what ``start`` held for the ranks (a spawn's shared memory); after every attempt."""
+
+
+def start_each_rank(plan: LaunchPlan, environ: dict[str, str],
+                    start_one: Callable[[WorkerSettings], WorkerProcess]) -> list[WorkerProcess]:
+    """``start_one`` for every local rank of ``plan``, in order; none is left if one fails."""
+    workers: list[WorkerProcess] = []
+    for local_rank in range(plan.num_processes):
+        settings = WorkerSettings(
+            rank=local_rank,
+            environ=dict(environ, **plan.rank_environ(local_rank)),
+            threads=plan.threads,
+            parent_pid=os.getpid(),
+            sys_path=list(sys.path),
+        )
+        try:
+            workers.append(start_one(settings))
+        except BaseException:
+            kill_and_reap(workers)
+            raise
+    return workers
+
+
+def kill_and_reap(workers: list[WorkerProcess]) -> None:
+    """SIGKILL every process (and what it started), reap it, close the launcher's ends."""
+    for worker in workers:
+        worker.kill()
+        worker.wait()
+        worker.close()

@@ -1,0 +1,72 @@
+"""Spawn: every rank is a fresh interpreter (``python -m nblaunch.worker``) that receives the
+function and its arguments, cloudpickled, on its control socket. Used where fork is unsafe (CUDA
+already initialised here, not Linux) or when asked for."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+import nblaunch
+from nblaunch import wire
+from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.launch.starting import fdtable
+from nblaunch.launch.starting.base import Starter, start_each_rank
+from nblaunch.launch.starting.payload import Payload, package
+from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for
+from nblaunch.worker.bootstrap import WorkerSettings
+
+
+class SpawnStarter(Starter):
+    """One fresh interpreter per rank; big tensors and arrays reach them through memfds."""
+
+    def __init__(self) -> None:
+        self._payload: Payload | None = None
+
+    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
+        payload = self._payload = package((function, args))
+        return start_each_rank(plan, environ,
+                               lambda settings: spawn_rank(settings, payload, dict(os.environ, **settings.environ)))
+
+    def release(self) -> None:
+        if self._payload is not None:
+            fdtable.close(self._payload.fds)  # ranks that mapped the memory keep it
+            self._payload = None
+
+
+def spawn_rank(settings: WorkerSettings, payload: Payload, environ: dict[str, str]) -> WorkerProcess:
+    """Start one rank as a fresh interpreter that receives the function on its control socket."""
+    pipes = Pipes.open()
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(nblaunch.__file__)))
+    env = dict(environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "nblaunch.worker", str(pipes.control[0]), str(pipes.events[1]), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=pipes.stdout[1],
+        stderr=pipes.stderr[1],
+        pass_fds=(pipes.control[0], pipes.events[1], *payload.fds),  # memfds: mapped by their numbers
+        env=env,
+        start_new_session=True,  # a process group of its own, like a forked rank
+    )
+    worker = handle_for(popen.pid, {settings.rank: pipes}, popen=popen)
+    head = wire.encode(wire.SPAWN_SETTINGS, pickle.dumps((settings, payload.buffers), protocol=pickle.HIGHEST_PROTOCOL))
+    # The pickle is written as it is, never joined to a header: no copy of it per rank.
+    pieces = [head, wire.HEADER.pack(wire.PAYLOAD, len(payload.data)), payload.data]
+    # A thread, because a large payload fills the pipe before the child starts reading it.
+    rank = worker.ranks[0]
+    rank.payload_sender = threading.Thread(target=_send_payload, args=(rank.control_fd, pieces), daemon=True)
+    rank.payload_sender.start()
+    return worker
+
+
+def _send_payload(fd: int, pieces: list[bytes]) -> None:
+    try:
+        for piece in pieces:
+            wire.write_all(fd, piece)
+    except OSError:
+        pass  # the rank died before reading it; the supervisor reports that

@@ -1,0 +1,39 @@
+"""The XLA host: one forked process runs torch_xla's ``xmp.spawn``, whose processes (one per
+chip) run one thread per device; every device is a rank with pipes of its own."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import cloudpickle
+
+from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.launch.starting.base import Starter
+from nblaunch.preimport import import_for_ranks
+from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_process
+from nblaunch.worker.xla import RankEnds, run_host
+
+
+class XlaHostStarter(Starter):
+    """One host process for every rank of the launch."""
+
+    def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
+        # About 3 s per launch otherwise; importing does not start the XLA runtime.
+        return import_for_ranks("torch_xla.distributed.xla_multiprocessing")
+
+    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
+        # torch_xla pickles the function for its process pool (even with fork): cloudpickle it
+        # first, so a function defined in a notebook cell travels by value.
+        packed = cloudpickle.dumps((function, args))
+        assert plan.xla_environ is not None
+        return [start_xla_host(dict(environ, **plan.xla_environ), packed, plan.num_processes)]
+
+
+def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
+    """Fork the process that runs ``xmp.spawn``; it and its children host every rank. The
+    launcher imported torch_xla first (``environ_for_ranks``), so the fork inherits it."""
+    ranks = {rank: Pipes.open() for rank in range(num_ranks)}
+    ends = {rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()}
+    parent = os.getpid()
+    return fork_process(ranks, lambda: run_host(environ, parent, packed_function, ends))
