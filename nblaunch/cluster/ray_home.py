@@ -66,7 +66,7 @@ def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
     request = NodeRequest(num_nodes=num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
     placement.check_fits(ray, request)
     plan = LaunchPlan(
-        function_name=getattr(function, "__qualname__", None) or repr(function),
+        function_name=r.function_name,
         num_processes=num_processes, num_nodes=num_nodes, node_rank=0, master_addr="node 0",
         master_port=port or 0, start_method="ray",
         start_reason=f"{plural(num_nodes, 'node')} placed together by a Ray placement group; each node's agent "

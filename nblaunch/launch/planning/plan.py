@@ -47,6 +47,10 @@ class LaunchRequest:
     monitor_interval: Any = 0.1
     rdzv_backend: Any = "static"
 
+    @property
+    def function_name(self) -> str:
+        return getattr(self.function, "__qualname__", None) or repr(self.function)
+
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -168,7 +172,7 @@ def make_plan(request: LaunchRequest) -> LaunchPlan:
     if start_method == "xla" or (start_method is None and not force_cpu and xla.tpu_markers()):
         if max_restarts:
             raise LaunchConfigError("max_restarts is not supported on XLA (torch_xla's xmp.spawn starts the ranks)")
-        return _xla_plan(function, num_processes, mixed_precision, master_addr, start_method, port)
+        return _xla_plan(r.function_name, num_processes, mixed_precision, master_addr, start_method, port)
     gpus = 0 if force_cpu else devices.cuda_device_count()
     if num_processes is None:
         if gpus < 2:
@@ -190,8 +194,9 @@ def make_plan(request: LaunchRequest) -> LaunchPlan:
     check_open_files(num_processes)
     method, reason = start_method_for(start_method, force_cpu)
     master_port = ports.choose_port(master_addr, port, hosted_here=node_rank == 0)
+    name = r.function_name
     return LaunchPlan(
-        function_name=getattr(function, "__qualname__", None) or repr(function),
+        function_name=name,
         num_processes=num_processes,
         num_nodes=num_nodes,
         node_rank=node_rank,
@@ -208,7 +213,7 @@ def make_plan(request: LaunchRequest) -> LaunchPlan:
     )
 
 
-def _xla_plan(function: Callable, num_processes: Any, mixed_precision: str, master_addr: str,
+def _xla_plan(name: str, num_processes: Any, mixed_precision: str, master_addr: str,
               requested: str | None, port: int | None) -> LaunchPlan:
     """A launch through torch_xla's xmp.spawn: every local XLA device is a rank."""
     if num_processes is not None:
@@ -222,7 +227,7 @@ def _xla_plan(function: Callable, num_processes: Any, mixed_precision: str, mast
     else:
         reason = f"TPU host ({', '.join(xla.tpu_markers())})"
     return LaunchPlan(
-        function_name=getattr(function, "__qualname__", None) or repr(function),
+        function_name=name,
         num_processes=count,
         num_nodes=1,
         node_rank=0,
