@@ -3,18 +3,20 @@
 IPython's ``__tracebackhide__`` never hides the frame that raised, which for a launch's error
 is always nblaunch's own. So the launcher registers a handler for its error types
 (``set_custom_exc``) that shows them as IPython would, with every frame of nblaunch's package
-left out: the user's cell line, then the rank's own traceback chained to the error, and the
-headline. A handler someone else registered is left alone.
+left out: the rank's own traceback, then the user's cell line and the headline. A handler
+someone else registered is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
-from typing import Any
+from typing import Any, Iterator
 
 from nblaunch import frames
-from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError, RankFailedError
+from nblaunch.launch.errors import (LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError,
+                                    RankFailedError, RemoteTraceback)
 
 __all__ = ["install", "without_launcher_frames"]
 
@@ -34,7 +36,27 @@ def install() -> None:
 
 def _show(shell: Any, etype: type, value: BaseException, tb: types.TracebackType | None,
           tb_offset: int | None = None) -> None:
-    shell.showtraceback((etype, value, without_launcher_frames(tb)), tb_offset=tb_offset)
+    with _rank_frames_as_cause(value):
+        shell.showtraceback((etype, value, without_launcher_frames(tb)), tb_offset=tb_offset)
+
+
+@contextlib.contextmanager
+def _rank_frames_as_cause(error: BaseException) -> Iterator[None]:
+    """While ``error`` is shown, chain the rank's traceback to it directly: one chain, the rank's
+    frames (ending in its exception's line), then the headline. The rank's exception, rebuilt
+    here, was never raised in this process and has no frame of it: shown as a hop of its own, it
+    would be an empty "Traceback (most recent call last)" between the two. The chain code reads
+    (``error.__cause__``, and its ``__cause__``) is as it was once the error is shown."""
+    cause = error.__cause__
+    remote = getattr(cause, "__cause__", None)
+    if cause is None or cause.__traceback__ is not None or not isinstance(remote, RemoteTraceback):
+        yield
+        return
+    error.__cause__ = remote
+    try:
+        yield
+    finally:
+        error.__cause__ = cause
 
 
 def without_launcher_frames(tb: types.TracebackType | None) -> types.TracebackType | None:

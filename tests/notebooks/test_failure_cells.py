@@ -5,6 +5,7 @@ line, and nothing of nblaunch's own code."""
 from __future__ import annotations
 
 import os
+import re
 
 import nbformat
 import pytest
@@ -67,3 +68,15 @@ def test_the_headline_names_the_rank_the_exception_and_the_cell_line(failed):
     (error,) = [o for o in failed.outputs if o.output_type == "error"]
     assert error.ename == "RankFailedError"
     assert error.evalue.splitlines()[0] == "rank 1 failed: ValueError: bad value 3 (Cell In[1], line 7, in check)"
+
+
+@pytest.mark.parametrize("which", ["failed", "failed_later"])
+def test_one_chain_the_ranks_frames_then_the_headline(request, which):
+    (error,) = [o for o in request.getfixturevalue(which).outputs if o.output_type == "error"]
+    shown = "\n".join(re.sub(r"\x1b\[[0-9;]*m", "", part) for part in error.traceback)
+    # Two hops: the rank's traceback (its frames, then its exception's line), then the headline.
+    # No hop in between with a header and no frame (the rank's exception, rebuilt here).
+    hops = shown.split("The above exception was the direct cause of the following exception:")
+    assert len(hops) == 2, shown
+    assert "raise ValueError" in hops[0] and hops[0].rstrip().endswith("ValueError: bad value 3"), shown
+    assert hops[1].lstrip().startswith("RankFailedError"), shown
