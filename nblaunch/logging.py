@@ -28,7 +28,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         kwargs.setdefault("stacklevel", 2)
         if not self.isEnabledFor(level):
             return
-        from nblaunch.training.state import PartialState
+        from nblaunch.training.runtime.state import PartialState
 
         state = PartialState()
         if main_process_only or not in_order:

@@ -23,11 +23,12 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       InitProcessGroupKwargs, ProfileKwargs)
 from nblaunch.training.data import skip_first_batches
 from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nblaunch.training.ops import (DistributedOperationException, broadcast, broadcast_object_list,
-                                   copy_tensor_to_devices, gather, gather_object, pad_across_processes,
-                                   recursively_apply, reduce, send_to_device)
-from nblaunch.training.seed import set_seed, synchronize_rng_states
-from nblaunch.training.state import DistributedType
+from nblaunch.training.runtime.collectives import (DistributedOperationException, broadcast, broadcast_object_list,
+                                                   copy_tensor_to_devices, gather, gather_object,
+                                                   pad_across_processes, reduce)
+from nblaunch.training.runtime.tree import recursively_apply, send_to_device
+from nblaunch.training.runtime.seed import set_seed, synchronize_rng_states
+from nblaunch.training.runtime.state import DistributedType
 
 __all__ = [
     "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType", "DistributedDataParallelKwargs",

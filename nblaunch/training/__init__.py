@@ -24,13 +24,14 @@ from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, D
                                       InitProcessGroupKwargs, ProfileKwargs)
 from nblaunch.training.data import skip_first_batches
 from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gather_object,
-                                   pad_across_processes, reduce, send_to_device)
-from nblaunch.training.seed import set_seed
+from nblaunch.training.runtime.collectives import (broadcast, broadcast_object_list, gather, gather_object,
+                                                   pad_across_processes, reduce)
+from nblaunch.training.runtime.tree import send_to_device
+from nblaunch.training.runtime.seed import set_seed
 from nblaunch.training.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
 from nblaunch.training.local_sgd import LocalSGD
 from nblaunch.training.gradient_state import GradientState
-from nblaunch.training.state import (AcceleratorState, DistributedType, PartialState,
+from nblaunch.training.runtime.state import (AcceleratorState, DistributedType, PartialState,
                                      reset_process_state)
 
 __all__ = [

@@ -49,7 +49,7 @@ from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.placement import ReplacedParameters
 from nblaunch.training.precision import (autocast_dtype, check_supported,
                                          make_grad_scaler, resolve_mixed_precision)
-from nblaunch.training.state import AcceleratorState, DistributedType
+from nblaunch.training.runtime.state import AcceleratorState, DistributedType
 
 __all__ = ["Accelerator"]
 

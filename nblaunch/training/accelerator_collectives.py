@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from nblaunch.training import ops
+from nblaunch.training.runtime import collectives
+from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["CollectiveMethods"]
 
@@ -24,11 +25,11 @@ class CollectiveMethods:
     _trigger = False
 
     def gather(self, tensor: Any) -> Any:
-        """Concatenate tensors of all processes along dim 0 (see :func:`ops.gather`)."""
-        return ops.gather(tensor)
+        """Concatenate tensors of all processes along dim 0 (see :func:`collectives.gather`)."""
+        return collectives.gather(tensor)
 
     def gather_object(self, obj: Any) -> list:
-        return ops.gather_object(obj)
+        return collectives.gather_object(obj)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather for evaluation: the samples repeated to even out the last round are dropped,
@@ -39,25 +40,25 @@ class CollectiveMethods:
         """
         as_objects = use_gather_object or not _all_tensors(input_data)
         if as_objects:
-            data = ops.gather_object(input_data if isinstance(input_data, (list, tuple)) else [input_data])
+            data = collectives.gather_object(input_data if isinstance(input_data, (list, tuple)) else [input_data])
         else:
-            data = ops.gather(input_data, allow_uneven_dim0=True)
+            data = collectives.gather(input_data, allow_uneven_dim0=True)
         loader = self.gradient_state.active_dataloader
         if loader is not None and loader.end_of_dataloader and self.num_processes > 1:
             real = loader.remainder
             if real >= 0:
-                data = data[:real] if as_objects else ops.recursively_apply(lambda t: t[:real], data)
+                data = data[:real] if as_objects else recursively_apply(lambda t: t[:real], data)
         return data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        return ops.reduce(tensor, reduction, scale)
+        return collectives.reduce(tensor, reduction, scale)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0,
                              pad_first: bool = False) -> Any:
-        return ops.pad_across_processes(tensor, dim, pad_index, pad_first)
+        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
-        return ops.broadcast(tensor, from_process)
+        return collectives.broadcast(tensor, from_process)
 
     def wait_for_everyone(self) -> None:
         self.state.wait_for_everyone()
@@ -95,7 +96,7 @@ class CollectiveMethods:
     def check_trigger(self) -> bool:
         """True on every process if any process called :meth:`set_trigger` (then lowered)."""
         flag = torch.tensor([1.0 if self._trigger else 0.0], device=self.device)
-        flag = ops.reduce(flag, "sum")
+        flag = collectives.reduce(flag, "sum")
         if flag.item() > 0:
             self._trigger = False
             return True

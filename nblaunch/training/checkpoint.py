@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nblaunch.training import xla
+from nblaunch.training.runtime import xla
 from nblaunch.training.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
-from nblaunch.training.seed import get_rng_states, set_rng_states
-from nblaunch.training.state import DistributedType, PartialState
+from nblaunch.training.runtime.seed import get_rng_states, set_rng_states
+from nblaunch.training.runtime.state import DistributedType, PartialState
 
 if TYPE_CHECKING:
     from nblaunch.training.accelerator import Accelerator

@@ -29,10 +29,10 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.distributed import DistributedSampler
 
-from nblaunch.training import xla
+from nblaunch.training.runtime import xla
 from nblaunch.worker import channel
 from nblaunch.worker.progress import BarReporter
-from nblaunch.training.ops import send_to_device
+from nblaunch.training.runtime.tree import send_to_device
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeedableRandomSampler, SeededByEpoch,
                                        SharedGenerator, ShufflePolicy)
@@ -140,7 +140,7 @@ class PreparedDataLoader(DataLoader):
         self._current_epoch = epoch
         self.epoch = epoch + 1
         if self._rng_types:
-            from nblaunch.training.seed import synchronize_rng_states
+            from nblaunch.training.runtime.seed import synchronize_rng_states
 
             synchronize_rng_states(self._rng_types)
         if self._shuffle is not None:
@@ -381,7 +381,7 @@ def shuffle_for(sampler: Any, num_processes: int, seedable: bool,
     if seedable and isinstance(sampler, RandomSampler):
         seed = data_seed if data_seed is not None else torch.random.initial_seed()
         if num_processes > 1:  # rank 0's, should the ranks' initial seeds differ
-            from nblaunch.training.ops import broadcast_object_list
+            from nblaunch.training.runtime.collectives import broadcast_object_list
 
             [seed] = broadcast_object_list([seed])
         generator = None

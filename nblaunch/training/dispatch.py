@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from nblaunch.training.data import PreparedDataLoader, loader_kwargs, map_style_batching
-from nblaunch.training.ops import concatenate, recursively_apply, send_to_device
+from nblaunch.training.runtime.tree import concatenate, recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher", "dispatch_data_loader", "slice_tensors"]
 

@@ -26,7 +26,7 @@ from nblaunch.training.dispatch import DataLoaderDispatcher, dispatch_data_loade
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.shuffle import SeedableRandomSampler
 from nblaunch.training.gradient_state import GradientState
-from nblaunch.training.state import PartialState
+from nblaunch.training.runtime.state import PartialState
 
 __all__ = ["prepare_data_loader", "build_prepared_loader", "shard_data_loader",
            "SeedableRandomSampler", "DataLoaderDispatcher"]

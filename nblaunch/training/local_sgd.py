@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from nblaunch.training.state import DistributedType
+from nblaunch.training.runtime.state import DistributedType
 
 __all__ = ["LocalSGD"]
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from nblaunch.training import xla
+from nblaunch.training.runtime import xla
 from nblaunch.training.gradient_state import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from nblaunch.training.runtime.tree import recursively_apply
+
 __all__ = ["resolve_mixed_precision", "autocast_dtype", "AutocastForward", "convert_outputs_to_fp32",
            "make_grad_scaler"]
 
@@ -70,7 +72,6 @@ def convert_outputs_to_fp32(output: Any) -> Any:
     """Half-precision tensors in a (nested) output become float32, so losses are computed in fp32."""
     if isinstance(output, torch.Tensor):  # the usual case, without the recursion
         return _to_fp32(output)
-    from nblaunch.training.ops import recursively_apply
     return recursively_apply(_to_fp32, output)
 
 

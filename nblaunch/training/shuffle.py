@@ -82,7 +82,7 @@ class SharedGenerator(ShufflePolicy):
         if saved is not None:
             self.generator.set_state(saved)
         elif self.num_processes > 1:
-            from nblaunch.training.seed import synchronize_rng_states
+            from nblaunch.training.runtime.seed import synchronize_rng_states
 
             synchronize_rng_states(["generator"], self.generator)
         self._epoch_start = self.generator.get_state()

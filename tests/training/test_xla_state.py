@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nblaunch.training import DistributedType, PartialState
-from nblaunch.training import xla as xla_backend
+from nblaunch.training.runtime import xla as xla_backend
 from nblaunch.training.placement import ReplacedParameters, move_keeping_ties
 from nblaunch.training.precision import check_supported
 

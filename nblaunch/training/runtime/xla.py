@@ -9,9 +9,9 @@ one device.
 
 Example (inside a function started with ``notebook_launcher(..., start_method="xla")``)::
 
-    from nblaunch.training import xla
+    from nblaunch.training.runtime import xla
     rank = xla.rank_state()["process_index"]
-    total = xla.all_reduce_sum(torch.ones(1, device=xla.rank_state()["device"]))
+    total = xla.all_reduce("SUM", torch.ones(1, device=xla.rank_state()["device"]))
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["rank_state", "sync", "barrier", "all_gather", "all_reduce_sum", "broadcast_",
+from nblaunch.training.runtime.tree import recursively_apply
+
+__all__ = ["rank_state", "sync", "barrier", "all_gather", "all_reduce", "broadcast_",
            "gather_objects", "broadcast_object", "reduce_gradients", "device_feeder", "to_cpu",
            "get_rng_state", "set_rng_state"]
 
 
 def _xm() -> Any:
-    import torch_xla.core.xla_model as xm
+    import torch_xla.core.xla_model as xm  # optional: torch_xla, installed on TPU hosts only
     return xm
 
 
@@ -37,7 +39,7 @@ def rank_state() -> dict[str, Any]:
     Example: with ``CPU_NUM_DEVICES=2`` the second device thread gets
     ``{"process_index": 1, "local_process_index": 1, "num_processes": 2, ..., "device": xla:1}``.
     """
-    try:
+    try:  # optional: torch_xla, installed on TPU hosts only
         import torch_xla
         import torch_xla.runtime as xr
     except ImportError as exc:
@@ -56,7 +58,7 @@ def rank_state() -> dict[str, Any]:
 
 def sync() -> None:
     """Cut the lazy graph of this device and start running it (``torch_xla.sync()``)."""
-    import torch_xla
+    import torch_xla  # optional: torch_xla
     torch_xla.sync()
 
 
@@ -76,11 +78,6 @@ def all_reduce(op: str, tensor: torch.Tensor) -> torch.Tensor:
     return xm.all_reduce(getattr(xm, f"REDUCE_{op}"), tensor)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """A new tensor: the sum of ``tensor`` over all ranks."""
-    return all_reduce("SUM", tensor)
-
-
 def broadcast_(tensor: torch.Tensor, from_process: int) -> torch.Tensor:
     """Overwrite ``tensor`` (in place) with rank ``from_process``'s values; returns it."""
     _xm().collective_broadcast([tensor], root_ordinal=from_process)
@@ -95,7 +92,7 @@ def gather_objects(obj: Any, tag: str = "nblaunch.gather_object") -> list[Any]:
 def broadcast_object(obj: Any, from_process: int) -> Any:
     """Rank ``from_process``'s picklable ``obj``, on every rank. The others send nothing."""
     xm = _xm()
-    from torch_xla import runtime as xr
+    from torch_xla import runtime as xr  # optional: torch_xla
     payload = pickle.dumps(obj) if xr.global_ordinal() == from_process else b""
     return pickle.loads(xm.rendezvous("nblaunch.broadcast_object", payload)[from_process])
 
@@ -117,7 +114,7 @@ def device_feeder(device: torch.device) -> Callable[[Any], Any]:
             batch = feed(batch)
     """
     xm = _xm()
-    import torch_xla
+    import torch_xla  # optional: torch_xla
 
     def feed(batch: Any) -> Any:
         torch_xla.sync()  # one graph per step, like MpDeviceLoader; it runs while we go on
@@ -133,7 +130,6 @@ def to_cpu(data: Any) -> Any:
 
     Call :func:`sync` on *every* rank first, so no rank runs a graph with collectives alone.
     """
-    from nblaunch.training.ops import recursively_apply
     return recursively_apply(lambda t: t.cpu() if t.device.type == "xla" else t, data)
 
 

@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import os
 import threading
@@ -36,57 +35,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from nblaunch.training import xla
-from nblaunch.training.splitting import split_inputs
+from nblaunch.training.runtime import xla
+from nblaunch.training.runtime.environment import (DistributedType, debug_mode, env_int, forces_cpu, launch_key,
+                                                    uses_xla)
+from nblaunch.training.runtime.splitting import split_inputs
 
-__all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state"]
-
-# The launch variables; a state built under other values (or in another pid) is stale.
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                     "MASTER_ADDR", "MASTER_PORT", "NBLAUNCH_FORCE_CPU")
-_FORCE_CPU_AT = 1 + _LAUNCH_VARIABLES.index("NBLAUNCH_FORCE_CPU")  # in the key, after the pid
-
-
-class DistributedType(str, enum.Enum):
-    """How this process takes part in training (the names Accelerate uses)."""
-
-    NO = "NO"  # one process, no process group
-    MULTI_CPU = "MULTI_CPU"  # several processes, gloo
-    MULTI_GPU = "MULTI_GPU"  # several processes, one CUDA device each, nccl
-    XLA = "XLA"  # XLA devices (TPU) through torch_xla, one thread per device
-    # Never nblaunch's own state: here so that code comparing against them runs unchanged.
-    MULTI_NPU = "MULTI_NPU"
-    MULTI_MLU = "MULTI_MLU"
-    MULTI_SDAA = "MULTI_SDAA"
-    MULTI_MUSA = "MULTI_MUSA"
-    MULTI_XPU = "MULTI_XPU"
-    MULTI_HPU = "MULTI_HPU"
-    MULTI_NEURON = "MULTI_NEURON"
-    DEEPSPEED = "DEEPSPEED"
-    FSDP = "FSDP"
-    MEGATRON_LM = "MEGATRON_LM"
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
-
-
-def _launch_key() -> tuple:
-    return (os.getpid(),) + tuple(os.environ.get(name) for name in _LAUNCH_VARIABLES)
-
-
-def xla_requested() -> bool:
-    """True when this rank trains on XLA: inside an XLA launch (``NBLAUNCH_XLA=1``), or when
-    asked for explicitly (``PJRT_DEVICE=TPU``, ``NBLAUNCH_DISTRIBUTED_TYPE=XLA``).
-
-    torch_xla being installed is not enough, and ``PJRT_DEVICE=CPU`` alone is not a request.
-    """
-    environ = os.environ
-    return (environ.get("NBLAUNCH_XLA") == "1"
-            or environ.get("NBLAUNCH_DISTRIBUTED_TYPE", "").upper() == "XLA"
-            or environ.get("PJRT_DEVICE", "").upper() == "TPU")
-
+__all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state", "save_process_state",
+           "restore_process_state"]
 
 class _ThreadState(threading.local):
     """The calling thread's state dict, for XLA, where each device thread is its own rank."""
@@ -102,17 +57,6 @@ def _thread_dict() -> dict[str, Any]:
     if shared is None:
         shared = _thread_state.shared = {}
     return shared
-
-
-def _uses_xla(cpu: bool) -> bool:
-    if not xla_requested():
-        return False
-    if not cpu:
-        return True
-    if os.environ.get("NBLAUNCH_XLA") == "1":
-        raise ValueError("cpu=True inside an XLA launch: every rank there is an XLA device. "
-                         "Launch with start_method='fork' to train on the CPU.")
-    return False  # asked for outside a launch: the CPU wins, as in Accelerate
 
 
 class PartialState:
@@ -141,13 +85,13 @@ class PartialState:
 
     def __init__(self, cpu: bool = False, backend: str | None = None,
                  timeout: timedelta | None = None, **kwargs: Any) -> None:
-        key = _launch_key()
-        cpu = bool(cpu) or key[_FORCE_CPU_AT] not in (None, "", "0")
+        key = launch_key()
+        cpu = bool(cpu) or forces_cpu(key)
         shared = self._shared_state
         # The process's state, built here under the same variables, is never an XLA one: only
         # without it are the XLA variables read (so the CPU/CUDA path reads nothing more).
         # Asking for XLA in a process that already has a CPU state needs reset_process_state().
-        on_xla = not (shared.get("_initialized") and shared["_key"] == key) and _uses_xla(cpu)
+        on_xla = not (shared.get("_initialized") and shared["_key"] == key) and uses_xla(cpu)
         if on_xla:
             shared = _thread_dict()
         self.__dict__ = shared
@@ -158,7 +102,7 @@ class PartialState:
                 raise RuntimeError(
                     "The process state was created with other settings (cpu="
                     f"{self._cpu}, backend={self.backend}); call "
-                    "nblaunch.training.state.reset_process_state() before changing them."
+                    "nblaunch.training.reset_process_state() before changing them."
                 )
             # Stale: inherited through fork or built under other launch variables; nothing of
             # it can be used here, and the group (if any) is not ours to destroy in this pid.
@@ -183,31 +127,30 @@ class PartialState:
         return self.device.type == "cpu" and (cpu or not torch.cuda.is_available())
 
     def _build_xla(self, key: tuple) -> None:
-
         s = self.__dict__
         s.update(xla.rank_state())
         s.update(_cpu=False, _owns_group=False, _key=key, backend="xla",
-                 distributed_type=DistributedType.XLA, debug=_debug_mode(), _initialized=True)
+                 distributed_type=DistributedType.XLA, debug=debug_mode(), _initialized=True)
 
     def _build(self, key: tuple, cpu: bool, backend: str | None, timeout: timedelta | None) -> None:
         s = self.__dict__
         s["_cpu"] = cpu
-        s["debug"] = _debug_mode()
+        s["debug"] = debug_mode()
         s["_owns_group"] = False
         s["_key"] = key
         use_cuda = not cpu and torch.cuda.is_available()
         if dist.is_available() and dist.is_initialized():
             # Adopt the group someone else made; local rank from the environment if given.
             rank, world = dist.get_rank(), dist.get_world_size()
-            local_world = _env_int("LOCAL_WORLD_SIZE", world)
-            local_rank = _env_int("LOCAL_RANK", rank % max(local_world, 1))
+            local_world = env_int("LOCAL_WORLD_SIZE", world)
+            local_rank = env_int("LOCAL_RANK", rank % max(local_world, 1))
             s["backend"] = dist.get_backend()
             use_cuda = use_cuda and s["backend"] != "gloo"
         else:
-            world = _env_int("WORLD_SIZE", 1)
-            rank = _env_int("RANK", 0)
-            local_rank = _env_int("LOCAL_RANK", rank)
-            local_world = _env_int("LOCAL_WORLD_SIZE", world)
+            world = env_int("WORLD_SIZE", 1)
+            rank = env_int("RANK", 0)
+            local_rank = env_int("LOCAL_RANK", rank)
+            local_world = env_int("LOCAL_WORLD_SIZE", world)
             s["backend"] = None
             if world > 1:
                 backend = backend or ("nccl" if use_cuda else "gloo")
@@ -369,11 +312,6 @@ class AcceleratorState(PartialState):
             reset_process_state()
 
 
-def _debug_mode() -> bool:
-    """Accelerate's ``ACCELERATE_DEBUG_MODE`` (nblaunch's collectives check shapes always)."""
-    return os.environ.get("ACCELERATE_DEBUG_MODE", "").strip().lower() in ("1", "true", "yes", "y", "on")
-
-
 # Destroyed groups are kept until the process exits. A DDP model that outlives its group holds
 # the last reference to it; dropping that reference with the GIL held runs ~ProcessGroupGloo,
 # which joins a gloo worker thread that is itself waiting for the GIL (a finished collective's
@@ -397,3 +335,22 @@ def reset_process_state() -> None:
     s.clear()
     if _thread_state.shared is not None:
         _thread_state.shared.clear()
+
+
+def save_process_state() -> dict[str, Any]:
+    """A copy of this process's state, for :func:`restore_process_state`.
+
+    Example (what an in-process launch does around the user's function)::
+
+        saved = save_process_state()
+        function()                      # may build (and leave) a state of its own
+        restore_process_state(saved)    # the kernel's Accelerator sees its own state again
+    """
+    return dict(PartialState._shared_state)
+
+
+def restore_process_state(saved: dict[str, Any]) -> None:
+    """Forget the state built since :func:`save_process_state` (``reset_process_state``: its
+    process group destroyed if nblaunch made it), then put ``saved`` back."""
+    reset_process_state()
+    PartialState._shared_state.update(saved)

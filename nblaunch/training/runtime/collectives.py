@@ -1,7 +1,7 @@
 """Collectives over tensors and nested structures of tensors (tuples, lists, dicts).
 
 Every function works with one process too (then it returns its input, as Accelerate does).
-On XLA every collective goes through XLA (``nblaunch.training.xla``), with one device too.
+On XLA every collective goes through XLA (``nblaunch.training.runtime.xla``), with one device too.
 Gathers, reduces and broadcasts first exchange the shapes (one small all_gather; Accelerate does
 this only in its debug mode), so tensors of different shapes on different ranks raise the same
 clear ``ShapeMismatchError`` on every rank, naming each rank's shape, instead of aborting inside
@@ -9,24 +9,23 @@ gloo, hanging, or (a broadcast) silently copying the wrong bytes.
 
 Example::
 
-    from nblaunch.training import ops
+    from nblaunch.training.runtime import collectives
     predictions = ops.gather(logits.argmax(-1))   # every rank gets all ranks' predictions
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nblaunch.training import xla
-from nblaunch.training.state import DistributedType, PartialState
+from nblaunch.training.runtime import xla
+from nblaunch.training.runtime.state import DistributedType, PartialState
+from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast", "copy_tensor_to_devices",
-           "broadcast_object_list", "recursively_apply", "send_to_device", "concatenate",
-           "ShapeMismatchError"]
+           "broadcast_object_list", "DistributedOperationException", "ShapeMismatchError"]
 
 _MAX_DIMS = 8  # the shape header holds this many dimensions
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -40,30 +39,6 @@ class DistributedOperationException(Exception):
 
 class ShapeMismatchError(DistributedOperationException, ValueError):
     """Tensors handed to a collective differ in shape or dtype between ranks."""
-
-
-def recursively_apply(function: Callable[[Any], Any], data: Any, leaf: type = torch.Tensor) -> Any:
-    """Apply ``function`` to every ``leaf`` (a tensor) in a nested tuple/list/mapping; other
-    leaves are kept. Mappings include ``transformers``' ``BatchEncoding`` (not a dict)."""
-    if isinstance(data, leaf):
-        return function(data)
-    if isinstance(data, (tuple, list)):
-        items = [recursively_apply(function, d, leaf) for d in data]
-        if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-            return type(data)(*items)
-        return type(data)(items)
-    if isinstance(data, Mapping):
-        items = {k: recursively_apply(function, v, leaf) for k, v in data.items()}
-        try:
-            return type(data)(items)
-        except TypeError:
-            return items
-    return data
-
-
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in ``data`` to ``device``."""
-    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
 def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -256,23 +231,6 @@ def broadcast_object_list(objects: list, from_process: int = 0) -> list:
     elif state.num_processes > 1:
         dist.broadcast_object_list(objects, src=from_process)
     return objects
-
-
-def concatenate(parts: list[Any], dim: int = 0) -> Any:
-    """Concatenate a list of equally-structured nested tensors."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts, dim=dim)
-    if isinstance(first, (tuple, list)):
-        items = [concatenate([p[i] for p in parts], dim) for i in range(len(first))]
-        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)  # namedtuple
-    if isinstance(first, Mapping):
-        items = {k: concatenate([p[k] for p in parts], dim) for k in first}
-        try:
-            return type(first)(items)
-        except TypeError:
-            return items
-    raise TypeError(f"cannot concatenate {type(first).__name__}")
 
 
 def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:

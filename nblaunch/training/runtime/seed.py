@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
-from nblaunch.training import xla
-from nblaunch.training.state import PartialState, xla_requested
+from nblaunch.training.runtime import xla
+from nblaunch.training.runtime.collectives import broadcast_object_list
+from nblaunch.training.runtime.environment import xla_requested
+from nblaunch.training.runtime.state import PartialState
 
 __all__ = ["set_seed", "get_rng_states", "set_rng_states", "synchronize_rng_states"]
 
@@ -97,8 +99,6 @@ def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | No
     state = PartialState()
     if state.num_processes == 1:
         return
-    from nblaunch.training.ops import broadcast_object_list
-
     for kind in rng_types:
         if kind == "torch":
             [value] = broadcast_object_list([torch.get_rng_state()])
