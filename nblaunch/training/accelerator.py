@@ -32,22 +32,23 @@ from typing import Any, Iterable
 
 import torch
 
-from nblaunch.training import profiling, uneven
+from nblaunch.training import uneven
+from nblaunch.training.step import profiling
 from nblaunch.training.accelerator_collectives import CollectiveMethods
 from nblaunch.training.accelerator_persistence import PersistenceMethods
 from nblaunch.training.accelerator_prepare import PrepareMethods
-from nblaunch.training.accumulation import Accumulate
-from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
+from nblaunch.training.step.accumulation import Accumulate
+from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                       ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.data import PreparedDataLoader
-from nblaunch.training.fsdp import total_norm
-from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin, ShardingSettings, sharding_settings
-from nblaunch.training.gradient_state import GradientState
-from nblaunch.training.gradient_sync import paused_gradient_sync
-from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
-from nblaunch.training.placement import ReplacedParameters
-from nblaunch.training.precision import (autocast_dtype, check_supported,
+from nblaunch.training.model.fsdp import total_norm
+from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin, ShardingSettings, sharding_settings
+from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.model.gradient_sync import paused_gradient_sync
+from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+from nblaunch.training.model.placement import ReplacedParameters
+from nblaunch.training.model.precision import (autocast_dtype, check_supported,
                                          make_grad_scaler, resolve_mixed_precision)
 from nblaunch.training.runtime.state import AcceleratorState, DistributedType
 
@@ -272,7 +273,7 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """True if the last optimizer step was skipped (fp16 overflow)."""
-        return any(opt._step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self._optimizers)
 
     def __repr__(self) -> str:
         return (f"Accelerator(process {self.process_index}/{self.num_processes}, device={self.device}, "

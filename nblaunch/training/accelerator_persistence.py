@@ -53,7 +53,7 @@ class PersistenceMethods:
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The model's state dict, unwrapped. For a sharded (FSDP) model: the whole weights on the
         CPU of the main process, an empty dict on the others; call it on every process."""
-        from nblaunch.training.fsdp import full_state_dict, is_sharded
+        from nblaunch.training.model.fsdp import full_state_dict, is_sharded
         if is_sharded(model):
             return full_state_dict(model)
         return (self.unwrap_model(model) if unwrap else model).state_dict()

@@ -15,13 +15,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from nblaunch.training import placement
+from nblaunch.training.model import placement
 from nblaunch.training.data import PreparedDataLoader, skip_first_batches
-from nblaunch.training.ddp import wrap_ddp
-from nblaunch.training.fsdp import is_sharded, shard_model, sharded_model_of
+from nblaunch.training.model.ddp import wrap_ddp
+from nblaunch.training.model.fsdp import is_sharded, shard_model, sharded_model_of
 from nblaunch.training.loaders import build_prepared_loader
-from nblaunch.training.optim import AcceleratedOptimizer, AcceleratedScheduler
-from nblaunch.training.precision import AutocastForward
+from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+from nblaunch.training.model.precision import AutocastForward
 
 __all__ = ["PrepareMethods"]
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from nblaunch.training.runtime import xla
-from nblaunch.training.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
+from nblaunch.training.model.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
 from nblaunch.training.runtime.seed import get_rng_states, set_rng_states
 from nblaunch.training.runtime.state import DistributedType, PartialState
 

@@ -20,12 +20,12 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from nblaunch.training.config import DataLoaderConfiguration, refuse_unsupported
+from nblaunch.training.options.kwargs import DataLoaderConfiguration, refuse_unsupported
 from nblaunch.training.data import PreparedDataLoader, loader_kwargs, map_style_batching
 from nblaunch.training.dispatch import DataLoaderDispatcher, dispatch_data_loader
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.shuffle import SeedableRandomSampler
-from nblaunch.training.gradient_state import GradientState
+from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.runtime.state import PartialState
 
 __all__ = ["prepare_data_loader", "build_prepared_loader", "shard_data_loader",

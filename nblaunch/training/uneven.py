@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.gradient_sync import forced_gradient_sync
+from nblaunch.training.model.gradient_sync import forced_gradient_sync
 from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
 
 

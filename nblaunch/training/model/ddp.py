@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.config import DDPCommunicationHookType, DistributedDataParallelKwargs
+from nblaunch.training.options.kwargs import DDPCommunicationHookType, DistributedDataParallelKwargs
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, options: DistributedDataParallelKwargs) -> DistributedDataParallel:
@@ -23,6 +23,7 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, options: DistributedD
         if wrapper is not DDPCommunicationHookType.NO:
             raise ValueError("comm_wrapper needs a comm_hook (POWER_SGD or BATCHED_POWER_SGD) to wrap")
         return ddp
+    # deferred: only a configured hook needs them (~3 ms to import)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     state = None

@@ -79,7 +79,7 @@ class ReplacedParameters:
 
 
 def _is_shard(param: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: public from torch 2.5, and only FSDP2 makes them
     return isinstance(param, DTensor)
 
 

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from nblaunch.training.config import ProfileKwargs
+from nblaunch.training.options.kwargs import ProfileKwargs
 
 __all__ = ["build_profiler", "profile"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from nblaunch.training.gradient_state import GradientState
-from nblaunch.training.gradient_sync import paused_gradient_sync, syncs_gradients
+from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.model.gradient_sync import paused_gradient_sync, syncs_gradients
 
 
 class Accumulate:
@@ -25,7 +25,7 @@ class Accumulate:
         if gs.num_steps == 1:  # no accumulation: every micro-step syncs
             gs.sync_gradients = True
             return
-        if gs.sync_with_dataloader and gs._loaders and gs._loaders[-1].end_of_dataloader:
+        if gs.sync_with_dataloader and gs.end_of_dataloader:
             gs.step = 0  # the dataloader ends: sync whatever has been accumulated
             gs.sync_gradients = True
             return

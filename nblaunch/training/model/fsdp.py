@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
-from nblaunch.training.fsdp_plugin import ShardingSettings, WrapRule
+from nblaunch.training.options.fsdp_plugin import ShardingSettings, WrapRule
 
 __all__ = ["shard_model", "is_sharded", "sharded_model_of", "full_state_dict", "sharded_state",
            "load_sharded_state", "total_norm"]
@@ -31,12 +33,13 @@ __all__ = ["shard_model", "is_sharded", "sharded_model_of", "full_state_dict", "
 
 def is_sharded(model: Any) -> bool:
     """True for a model (or a submodule) that ``fully_shard`` made a sharding unit."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # deferred: FSDP2 is there from torch 2.6 (we allow 2.4)
     return isinstance(model, FSDPModule)
 
 
 def shard_model(model: torch.nn.Module, settings: ShardingSettings, device: torch.device) -> torch.nn.Module:
     """Shard ``model`` (already on ``device``) over the world, as ``settings`` say; returns it."""
+    # deferred: FSDP2 is in torch.distributed.fsdp from torch 2.6 on (pyproject allows 2.4)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if is_sharded(model):
@@ -49,8 +52,6 @@ def shard_model(model: torch.nn.Module, settings: ShardingSettings, device: torc
     if settings.cpu_offload and not offload:
         warnings.warn("cpu_offload: the parameters already live in CPU memory (training on the CPU); "
                       "nothing to offload", stacklevel=4)
-    from torch.distributed.device_mesh import init_device_mesh
-
     options: dict[str, Any] = {
         # The device's own mesh: FSDP2's default follows the machine's accelerator, which is not
         # this rank's device under Accelerator(cpu=True) on a GPU machine.
@@ -173,8 +174,6 @@ def _checkpoint_activations(unit: torch.nn.Module) -> None:
     The forward is replaced on the instance (not wrapped in another module), so parameter names,
     state dicts and checkpoints stay those of the plain model.
     """
-    from torch.utils.checkpoint import checkpoint
-
     if isinstance(unit.__dict__.get("forward"), functools.partial):
         return
     unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False)
@@ -202,6 +201,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     A collective: call it on every rank. It loads into the plain, unsharded model.
     """
+    # deferred: torch.distributed.checkpoint takes ~50 ms to import, and only checkpoints need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -209,7 +209,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """This rank's shards of the model's (or, with ``optimizer``, the optimizer's) state, keyed
     by parameter names: what ``torch.distributed.checkpoint`` saves and loads."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # deferred: heavy
     if optimizer is None:
         return get_model_state_dict(model)
     return get_optimizer_state_dict(model, optimizer)
@@ -218,6 +218,7 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 def load_sharded_state(model: torch.nn.Module, state: dict[str, Any],
                        optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> None:
     """Put ``state`` (filled by ``torch.distributed.checkpoint.load``) back into the model or optimizer."""
+    # deferred: torch.distributed.checkpoint is heavy (see full_state_dict)
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
     if optimizer is None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from nblaunch.training.runtime import xla
-from nblaunch.training.gradient_state import GradientState
+from nblaunch.training.step.gradient_state import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 
@@ -114,7 +114,6 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self._gradients_reduced = True
 
     def _xla_step(self, closure: Callable | None) -> Any:
-
         self.reduce_gradients()
         result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self._gradients_reduced = False
@@ -170,7 +169,7 @@ class AcceleratedScheduler:
         if not self.gradient_state.sync_gradients:
             return
         for opt in self.optimizers:
-            if opt._step_was_skipped:
+            if opt.step_was_skipped:
                 return
         total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past it
         for _ in range(self.steps_per_optimizer_step):
