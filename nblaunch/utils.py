@@ -21,7 +21,7 @@ import torch
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                       DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                                       InitProcessGroupKwargs, ProfileKwargs)
-from nblaunch.training.data import skip_first_batches
+from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.runtime.collectives import (DistributedOperationException, broadcast, broadcast_object_list,
                                                    copy_tensor_to_devices, gather, gather_object,

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
-from nblaunch.training import uneven
+from nblaunch.training.data import uneven
 from nblaunch.training.step import profiling
 from nblaunch.training.accelerator_collectives import CollectiveMethods
 from nblaunch.training.accelerator_persistence import PersistenceMethods
@@ -41,11 +41,11 @@ from nblaunch.training.step.accumulation import Accumulate
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                       ProfileKwargs, adopt, refuse_unsupported)
-from nblaunch.training.data import PreparedDataLoader
+from nblaunch.training.data.prepared import PreparedDataLoader
 from nblaunch.training.model.fsdp import total_norm
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin, ShardingSettings, sharding_settings
 from nblaunch.training.step.gradient_state import GradientState
-from nblaunch.training.model.gradient_sync import paused_gradient_sync
+from nblaunch.training.model.gradient_sync import paused_gradient_sync, trigger_sync_in_backward
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.model.placement import ReplacedParameters
 from nblaunch.training.model.precision import (autocast_dtype, check_supported,
@@ -316,7 +316,7 @@ class Accelerator(PrepareMethods, CollectiveMethods, PersistenceMethods):
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Any:
         """Context: the next backward of ``model`` all-reduces, even in an accumulating step."""
-        return uneven.trigger_sync_in_backward(model)
+        return trigger_sync_in_backward(model)
 
     def no_sync(self, model: torch.nn.Module) -> Any:
         """Context: no gradient reduction in its backward passes (DDP's ``no_sync``, FSDP2's

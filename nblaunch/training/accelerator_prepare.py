@@ -16,10 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from nblaunch.training.model import placement
-from nblaunch.training.data import PreparedDataLoader, skip_first_batches
+from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batches
 from nblaunch.training.model.ddp import wrap_ddp
 from nblaunch.training.model.fsdp import is_sharded, shard_model, sharded_model_of
-from nblaunch.training.loaders import build_prepared_loader
+from nblaunch.training.data.loaders import build_prepared_loader
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.model.precision import AutocastForward
 

@@ -1,5 +1,6 @@
-"""Turning a prepared model's gradient synchronisation off for a block: DDP's ``no_sync`` and
-FSDP2's ``set_requires_gradient_sync``, behind one context manager.
+"""Turning a prepared model's gradient synchronisation off for a block (DDP's ``no_sync`` and
+FSDP2's ``set_requires_gradient_sync``, behind one context manager), or on for the next backward
+(``trigger_sync_in_backward``, Accelerate's name).
 
 Example::
 
@@ -15,7 +16,7 @@ from typing import Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["paused_gradient_sync", "forced_gradient_sync", "syncs_gradients"]
+__all__ = ["paused_gradient_sync", "forced_gradient_sync", "trigger_sync_in_backward", "syncs_gradients"]
 
 # FSDP2 has a setter and no getter: how many blocks have paused a sharded model, kept on it.
 _PAUSES = "_nblaunch_gradient_sync_pauses"
@@ -48,8 +49,8 @@ def paused_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def forced_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
-    """A sharded model's backward in the block reduces, even inside a paused block (for DDP see
-    ``uneven.trigger_sync_in_backward``)."""
+    """A sharded model's backward in the block reduces, even inside a paused block (for DDP and
+    FSDP2 see :func:`trigger_sync_in_backward`)."""
     if not hasattr(model, "set_requires_gradient_sync"):
         yield
         return
@@ -58,3 +59,21 @@ def forced_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(getattr(model, _PAUSES, 0) == 0)
+
+
+@contextlib.contextmanager
+def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+    """Make the next backward of a DDP ``model`` all-reduce, even inside ``no_sync`` or an
+    accumulating micro-step (for several forwards before one backward); FSDP2's likewise."""
+    if not isinstance(model, DistributedDataParallel):
+        with forced_gradient_sync(model):
+            yield
+        return
+    saved = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = True
+    model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([])  # DDP's own call before a synchronising backward
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = saved

@@ -50,10 +50,12 @@ class GradientState:
         """True while the last batch of the innermost prepared DataLoader is being used."""
         return self._loaders[-1].end_of_dataloader if self._loaders else False
 
-    def _enter_loader(self, loader: Any) -> None:
+    def loader_started(self, loader: Any) -> None:
+        """A prepared DataLoader begins handing out an epoch's batches (it is the active one)."""
         self._loaders.append(loader)
 
-    def _leave_loader(self, loader: Any) -> None:
+    def loader_stopped(self, loader: Any) -> None:
+        """``loader``'s epoch ended or was abandoned (loaders nest: the innermost goes first)."""
         for i in range(len(self._loaders) - 1, -1, -1):
             if self._loaders[i] is loader:
                 del self._loaders[i]

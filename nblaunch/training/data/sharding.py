@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from nblaunch.training.shuffle import HookedSampler
+from nblaunch.training.data.shuffle import HookedSampler
 
 __all__ = ["ShardedBatchSampler", "IterableDatasetShard"]
 

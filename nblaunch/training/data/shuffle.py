@@ -26,6 +26,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import RandomSampler, Sampler
 
+from nblaunch.training.runtime.seed import synchronize_rng_states
+
 __all__ = ["ShufflePolicy", "SharedGenerator", "GlobalRngAtPass", "SeededByEpoch", "SeedableRandomSampler", "HookedSampler"]
 
 
@@ -82,8 +84,6 @@ class SharedGenerator(ShufflePolicy):
         if saved is not None:
             self.generator.set_state(saved)
         elif self.num_processes > 1:
-            from nblaunch.training.runtime.seed import synchronize_rng_states
-
             synchronize_rng_states(["generator"], self.generator)
         self._epoch_start = self.generator.get_state()
 

@@ -1,8 +1,8 @@
 """Sharded, device-placing DataLoaders: ``Accelerator.prepare`` turns a DataLoader into this
 rank's :class:`PreparedDataLoader`.
 
-Which batches a rank gets is ``nblaunch.training.sharding``'s business; the shuffle order (the
-same as Accelerate's for the same seed) is ``nblaunch.training.shuffle``'s. Shuffling samplers
+Which batches a rank gets is ``nblaunch.training.data.sharding``'s business; the shuffle order (the
+same as Accelerate's for the same seed) is ``nblaunch.training.data.shuffle``'s. Shuffling samplers
 are anything with a ``generator`` attribute (``RandomSampler``, ``SubsetRandomSampler``,
 ``WeightedRandomSampler``...): the prepared loader uses a copy, the user's objects stay as they
 are.
@@ -19,32 +19,29 @@ the index level (skipped batches are never loaded) for map-style datasets.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler
-from torch.utils.data._utils.collate import default_collate, default_convert
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader
 
+from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
+from nblaunch.training.data.shuffle import ShufflePolicy
 from nblaunch.training.runtime import xla
+from nblaunch.training.runtime.seed import synchronize_rng_states
+from nblaunch.training.runtime.tree import send_to_device
 from nblaunch.worker import channel
 from nblaunch.worker.progress import BarReporter
-from nblaunch.training.runtime.tree import send_to_device
-from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
-from nblaunch.training.shuffle import (GlobalRngAtPass, HookedSampler, SeedableRandomSampler, SeededByEpoch,
-                                       SharedGenerator, ShufflePolicy)
 
-__all__ = ["PreparedDataLoader", "skip_first_batches", "Batching", "map_style_batching", "loader_kwargs"]
+__all__ = ["PreparedDataLoader", "Progress", "skip_first_batches", "marking_last"]
 
 
 class PreparedDataLoader(DataLoader):
     """A DataLoader that yields this rank's batches on this rank's device.
 
-    Extra attributes: ``epoch`` (of the next or current iteration), ``batches_consumed`` (in the current epoch), ``end_of_dataloader``, ``total_batch_size``,
-    ``total_dataset_length``, ``remainder``; ``set_epoch(epoch)`` chooses the next epoch.
+    Extra attributes: ``epoch`` (of the next or current iteration), ``batches_consumed`` (in the
+    current epoch), ``end_of_dataloader``, ``total_batch_size``, ``total_dataset_length``,
+    ``remainder``, ``shard``; ``set_epoch(epoch)`` chooses the next epoch.
     """
 
     def __init__(self, dataset: Any, *, gradient_state: Any, device: torch.device | None,
@@ -84,6 +81,11 @@ class PreparedDataLoader(DataLoader):
     def end_of_dataloader(self) -> bool:
         """True from the moment the epoch's last batch is handed out."""
         return self._progress.end
+
+    @property
+    def shard(self) -> ShardedBatchSampler | IterableDatasetShard | None:
+        """What picks this rank's batches out of the whole (None: this rank reads them all)."""
+        return self._shard
 
     # -- epochs and positions -----------------------------------------------------------------
 
@@ -140,8 +142,6 @@ class PreparedDataLoader(DataLoader):
         self._current_epoch = epoch
         self.epoch = epoch + 1
         if self._rng_types:
-            from nblaunch.training.runtime.seed import synchronize_rng_states
-
             synchronize_rng_states(self._rng_types)
         if self._shuffle is not None:
             self._shuffle.before_epoch(epoch)
@@ -185,13 +185,13 @@ class PreparedDataLoader(DataLoader):
         progress.count = skip
         progress.in_epoch = True
         progress.bar = _epoch_bar(self, self._current_epoch, skip)
-        self._gradient_state._enter_loader(self)
+        self._gradient_state.loader_started(self)
         try:
             yield progress
             progress.end = True
         finally:
             progress.in_epoch = not progress.end
-            self._gradient_state._leave_loader(self)
+            self._gradient_state.loader_stopped(self)
             if progress.bar is not None:
                 progress.bar.close(progress.count)
 
@@ -206,32 +206,31 @@ class PreparedDataLoader(DataLoader):
                 length = len(self)
             except TypeError:
                 length = None
-            if length is not None:
-                # Known length: the last batch is found by counting, no read-ahead.
-                last = length - 1
-                count = skip
-                for batch in iterator:
-                    if count >= last:
-                        progress.end = True
-                    count += 1
-                    progress.advance(count)
-                    if feed is not None:
-                        batch = feed(batch)
-                    yield batch
-            else:
-                # Unknown length: hold one batch back to know which is the last.
-                count = skip
-                current = next(iterator, _END)
-                while current is not _END:
-                    following = next(iterator, _END)
-                    if following is _END:
-                        progress.end = True
-                    count += 1
-                    progress.advance(count)
-                    if feed is not None:
-                        current = feed(current)
-                    yield current
-                    current = following
+            for count, (batch, last) in enumerate(marking_last(iterator, length, skip), skip + 1):
+                if last:
+                    progress.end = True
+                progress.advance(count)
+                if feed is not None:
+                    batch = feed(batch)
+                yield batch
+
+
+def marking_last(iterator: Iterator[Any], length: int | None = None,
+                 skip: int = 0) -> Iterator[tuple[Any, bool]]:
+    """``(batch, is_last)`` for every batch after the first ``skip`` of a ``length``-batch epoch:
+    with a known length the last one is found by counting, without reading ahead; otherwise one
+    batch is held back until the next shows whether it was the last."""
+    if length is not None:
+        count = skip
+        for batch in iterator:
+            count += 1
+            yield batch, count >= length
+        return
+    current = next(iterator, _END)
+    while current is not _END:
+        following = next(iterator, _END)
+        yield current, following is _END
+        current = following
 
 
 _END = object()
@@ -316,85 +315,3 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
                 yield batch
 
     return skipping()
-
-
-def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
-        "persistent_workers": loader.persistent_workers,
-    }
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    for name in ("pin_memory_device", "in_order"):
-        if hasattr(loader, name):
-            kwargs[name] = getattr(loader, name)
-    return kwargs
-
-
-@dataclass
-class Batching:
-    """How a map-style DataLoader makes its batches, with the shuffle taken over by a policy."""
-
-    batch_sampler: Any
-    batch_size: int | None  # None: a custom batch sampler that does not say
-    drop_last: bool
-    shuffle: ShufflePolicy | None
-    epoch_sampler: Any  # a user's DistributedSampler, told the epoch
-
-
-def map_style_batching(loader: DataLoader, kwargs: dict[str, Any], readers: int,
-                       seedable: bool, data_seed: int | None) -> Batching:
-    """The batching of ``loader`` for a prepared copy (``kwargs``, from :func:`loader_kwargs`,
-    are adjusted to it); ``readers`` processes iterate the sampler (1 when rank 0 reads for all)."""
-    batch_sampler = loader.batch_sampler
-    if batch_sampler is None and isinstance(loader.sampler, BatchSampler):
-        # DataLoader(sampler=BatchSampler(...), batch_size=None): the sampler makes the batches.
-        batch_sampler = loader.sampler
-        if kwargs["collate_fn"] is default_convert:
-            kwargs["collate_fn"] = default_collate  # batches of samples, collated as torch would
-    if batch_sampler is None:
-        raise ValueError("prepare() needs a batched DataLoader (batch_size or batch_sampler set)")
-    sampler = getattr(batch_sampler, "sampler", None)
-    batching = Batching(batch_sampler, getattr(batch_sampler, "batch_size", None),
-                        bool(getattr(batch_sampler, "drop_last", loader.drop_last)), None, None)
-    if isinstance(sampler, DistributedSampler):
-        batching.epoch_sampler = sampler  # already sharded by the user: only set_epoch each epoch
-    elif sampler is not None and hasattr(sampler, "generator"):
-        shuffle, shuffling_sampler = shuffle_for(sampler, readers, seedable, data_seed)
-        if loader.generator is not None and loader.generator is sampler.generator:
-            kwargs["generator"] = shuffle.generator  # DataLoader(generator=g): one generator, as before
-        batching.batch_sampler = copy.copy(batch_sampler)
-        batching.batch_sampler.sampler = shuffling_sampler
-        batching.shuffle = shuffle
-    return batching
-
-
-def shuffle_for(sampler: Any, num_processes: int, seedable: bool,
-                 data_seed: int | None) -> tuple[ShufflePolicy, Any]:
-    """The shuffle policy for a copy of the user's shuffling ``sampler``, and that copy."""
-    if seedable and isinstance(sampler, RandomSampler):
-        seed = data_seed if data_seed is not None else torch.random.initial_seed()
-        if num_processes > 1:  # rank 0's, should the ranks' initial seeds differ
-            from nblaunch.training.runtime.collectives import broadcast_object_list
-
-            [seed] = broadcast_object_list([seed])
-        generator = None
-        if sampler.generator is not None:
-            generator = torch.Generator()
-            generator.set_state(sampler.generator.get_state())
-        seeded = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
-                                       num_samples=sampler._num_samples, generator=generator, data_seed=seed)
-        if generator is None:  # made now, not at the first pass: the policy shares it
-            seeded.generator = torch.Generator()
-        return SeededByEpoch(seeded), seeded
-    if num_processes == 1 and sampler.generator is None:
-        policy: ShufflePolicy = GlobalRngAtPass()
-    else:
-        policy = SharedGenerator(sampler.generator, num_processes)
-    return policy, HookedSampler(copy.copy(sampler), policy)

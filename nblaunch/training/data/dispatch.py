@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from nblaunch.training.data import PreparedDataLoader, loader_kwargs, map_style_batching
+from nblaunch.training.data.batching import loader_kwargs, map_style_batching
+from nblaunch.training.data.prepared import PreparedDataLoader, marking_last
 from nblaunch.training.runtime.tree import concatenate, recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher", "dispatch_data_loader", "slice_tensors"]
@@ -95,15 +96,12 @@ class DataLoaderDispatcher(PreparedDataLoader):
                 pass
         self._last_round_real = -1
         with self._epoch(skip) as progress:
-            current = self._next_round(iterator)
             first = None  # the epoch's first samples: they even out a ragged last round
-            while current is not None:
-                following = self._next_round(iterator)  # read ahead: is `current` the last?
+            for current, last in marking_last(self._rounds(iterator)):
                 if first is None and not self._drop_ragged_round:
                     first = self._slice_fn(current, slice(0, P), process_index=rank, num_processes=P)
                 observed = _batch_size(current)
                 per_rank = observed // P
-                last = following is None
                 if last and not self._drop_ragged_round and observed % P:
                     per_rank += 1
                     current = concatenate([current, _repeated(first, per_rank * P - observed)])
@@ -114,7 +112,11 @@ class DataLoaderDispatcher(PreparedDataLoader):
                     self._last_round_real = observed
                     progress.end = True
                 yield part
-                current = following
+
+    def _rounds(self, iterator: Iterator[Any] | None) -> Iterator[Any]:
+        """The epoch's rounds, on every rank (see :meth:`_next_round`)."""
+        while (round_ := self._next_round(iterator)) is not None:
+            yield round_
 
     def _next_round(self, iterator: Iterator[Any] | None) -> Any:
         """The next round on every rank (None: the epoch is over). Rank 0 reads it from

@@ -3,7 +3,7 @@ signatures (``accelerate.data_loader``): ``Accelerator.prepare`` comes here, and
 that calls :func:`prepare_data_loader` directly.
 
 Two ways, as in Accelerate: every rank reads its own shard (:func:`shard_data_loader`), or rank 0
-reads and sends every rank its part (``dispatch_batches``, :mod:`nblaunch.training.dispatch`;
+reads and sends every rank its part (``dispatch_batches``, :mod:`nblaunch.training.data.dispatch`;
 the default for iterable datasets).
 
 Example::
@@ -21,10 +21,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from nblaunch.training.options.kwargs import DataLoaderConfiguration, refuse_unsupported
-from nblaunch.training.data import PreparedDataLoader, loader_kwargs, map_style_batching
-from nblaunch.training.dispatch import DataLoaderDispatcher, dispatch_data_loader
-from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
-from nblaunch.training.shuffle import SeedableRandomSampler
+from nblaunch.training.data.batching import loader_kwargs, map_style_batching
+from nblaunch.training.data.prepared import PreparedDataLoader
+from nblaunch.training.data.dispatch import DataLoaderDispatcher, dispatch_data_loader
+from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
+from nblaunch.training.data.shuffle import SeedableRandomSampler
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.runtime.state import PartialState
 

@@ -1,5 +1,13 @@
-"""Ranks with different numbers of batches: ``join_uneven_inputs`` and
-``trigger_sync_in_backward`` (Accelerate's names and meaning)."""
+"""Ranks with different numbers of batches: ``join_uneven_inputs`` (Accelerate's name and
+meaning), torch's ``Join`` over the prepared models while the prepared loaders' batches are uneven.
+
+Example::
+
+    with join_uneven_inputs([ddp_model], [loader], distributed=True, single_process=False,
+                            default_even_batches=False):
+        for batch in loader:   # a rank that runs out first shadows the others' all-reduces
+            ...
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,10 @@ import contextlib
 import warnings
 from typing import Any, Iterator
 
-import torch
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.model.gradient_sync import forced_gradient_sync
-from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
+from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
 
 
 @contextlib.contextmanager
@@ -31,7 +38,7 @@ def join_uneven_inputs(joinables: list[Any], loaders: list[Any], distributed: bo
     overridden: list[tuple[ShardedBatchSampler, bool]] = []
     if even_batches is not None:
         for loader in loaders:
-            shard = getattr(loader, "_shard", None)
+            shard = getattr(loader, "shard", None)
             if isinstance(shard, ShardedBatchSampler):
                 overridden.append((shard, shard.even_batches))
                 shard.even_batches = even_batches
@@ -41,29 +48,9 @@ def join_uneven_inputs(joinables: list[Any], loaders: list[Any], distributed: bo
     else:
         even_batches = default_even_batches
     try:
-        from torch.distributed.algorithms.join import Join
-
         joinable = [j for j in joinables if isinstance(j, DistributedDataParallel) or hasattr(j, "join_hook")]
         with Join(joinable, enable=not even_batches, throw_on_early_termination=False):
             yield
     finally:
         for shard, value in overridden:
             shard.even_batches = value
-
-
-@contextlib.contextmanager
-def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
-    """Make the next backward of a DDP ``model`` all-reduce, even inside ``no_sync`` or an
-    accumulating micro-step (for several forwards before one backward); FSDP2's likewise."""
-    if not isinstance(model, DistributedDataParallel):
-        with forced_gradient_sync(model):
-            yield
-        return
-    saved = model.require_backward_grad_sync, model.require_forward_param_sync
-    model.require_backward_grad_sync = True
-    model.require_forward_param_sync = True
-    model.reducer.prepare_for_backward([])  # DDP's own call before a synchronising backward
-    try:
-        yield
-    finally:
-        model.require_backward_grad_sync, model.require_forward_param_sync = saved
