@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.data.shuffle import ShufflePolicy
 from nblaunch.training.runtime import xla
-from nblaunch.training.runtime.seed import synchronize_rng_states
+from nblaunch.training.runtime.collectives import synchronize_rng_states
 from nblaunch.training.runtime.tree import send_to_device
 from nblaunch.worker import channel
 from nblaunch.worker.progress import BarReporter

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import RandomSampler, Sampler
 
-from nblaunch.training.runtime.seed import synchronize_rng_states
+from nblaunch.training.runtime.collectives import synchronize_rng_states
 
 __all__ = ["ShufflePolicy", "SharedGenerator", "GlobalRngAtPass", "SeededByEpoch", "SeedableRandomSampler", "HookedSampler"]
 

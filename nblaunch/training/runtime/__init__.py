@@ -4,5 +4,5 @@ splitting inputs (``splitting``), and Accelerate's process-level helpers (``logg
 ``availability``).
 
 The bottom layer of ``nblaunch.training``: it imports nothing from the other folders.
-``tree`` is a leaf (torch only); ``xla`` imports only ``tree`` and loads torch_xla when called.
+``tree``, ``xla`` (which loads torch_xla only when called) and ``environment`` are leaves.
 """

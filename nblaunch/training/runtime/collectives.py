@@ -25,7 +25,7 @@ from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast", "copy_tensor_to_devices",
-           "broadcast_object_list", "DistributedOperationException", "ShapeMismatchError"]
+           "broadcast_object_list", "synchronize_rng_states", "DistributedOperationException", "ShapeMismatchError"]
 
 _MAX_DIMS = 8  # the shape header holds this many dimensions
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -246,3 +246,31 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
     shape, dtype = described[holders[0]]
     out = tensor.to(state.device) if tensor is not None else torch.zeros(shape, dtype=dtype, device=state.device)
     return broadcast(out, from_process=holders[0])
+
+
+def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | None = None) -> None:
+    """Give every process rank 0's state of each RNG in ``rng_types``: "torch" (CPU), "cuda"
+    (this process's device), "generator" (``generator``), as Accelerate's function of that name.
+
+    Example::
+
+        synchronize_rng_states(["torch"])   # torch.rand(...) now draws the same on every rank
+    """
+    state = PartialState()
+    if state.num_processes == 1:
+        return
+    for kind in rng_types:
+        if kind == "torch":
+            [value] = broadcast_object_list([torch.get_rng_state()])
+            torch.set_rng_state(value)
+        elif kind == "cuda":
+            [value] = broadcast_object_list([torch.cuda.get_rng_state() if torch.cuda.is_available() else None])
+            if value is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(value)
+        elif kind == "generator":
+            if generator is None:
+                raise ValueError("synchronize_rng_states(['generator']) needs generator=")
+            [value] = broadcast_object_list([generator.get_state()])
+            generator.set_state(value)
+        else:
+            raise ValueError(f"rng type {kind!r}: nblaunch synchronises 'torch', 'cuda' and 'generator'")

@@ -20,11 +20,10 @@ from typing import Any
 import torch
 
 from nblaunch.training.runtime import xla
-from nblaunch.training.runtime.collectives import broadcast_object_list
 from nblaunch.training.runtime.environment import xla_requested
 from nblaunch.training.runtime.state import PartialState
 
-__all__ = ["set_seed", "get_rng_states", "set_rng_states", "synchronize_rng_states"]
+__all__ = ["set_seed", "get_rng_states", "set_rng_states"]
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
@@ -86,31 +85,3 @@ def set_rng_states(states: dict[str, Any], device: torch.device | None = None) -
             torch.cuda.set_rng_state(cuda[min(torch.cuda.current_device(), len(cuda) - 1)])
     if "xla" in states and device is not None and device.type == "xla":
         xla.set_rng_state(states["xla"], device)
-
-
-def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | None = None) -> None:
-    """Give every process rank 0's state of each RNG in ``rng_types``: "torch" (CPU), "cuda"
-    (this process's device), "generator" (``generator``), as Accelerate's function of that name.
-
-    Example::
-
-        synchronize_rng_states(["torch"])   # torch.rand(...) now draws the same on every rank
-    """
-    state = PartialState()
-    if state.num_processes == 1:
-        return
-    for kind in rng_types:
-        if kind == "torch":
-            [value] = broadcast_object_list([torch.get_rng_state()])
-            torch.set_rng_state(value)
-        elif kind == "cuda":
-            [value] = broadcast_object_list([torch.cuda.get_rng_state() if torch.cuda.is_available() else None])
-            if value is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(value)
-        elif kind == "generator":
-            if generator is None:
-                raise ValueError("synchronize_rng_states(['generator']) needs generator=")
-            [value] = broadcast_object_list([generator.get_state()])
-            generator.set_state(value)
-        else:
-            raise ValueError(f"rng type {kind!r}: nblaunch synchronises 'torch', 'cuda' and 'generator'")
