@@ -18,7 +18,7 @@ from nblaunch.launch.preimport import import_for_ranks
 # it, and a kernel's first launch reaches its first training step in milliseconds.
 import_for_ranks("torch._dynamo")
 
-from nblaunch.training.accelerator import Accelerator
+from nblaunch.training.accelerator.core import Accelerator
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                       DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                                       InitProcessGroupKwargs, ProfileKwargs)

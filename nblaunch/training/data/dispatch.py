@@ -58,7 +58,7 @@ class _ReadFailed:
 class DataLoaderDispatcher(PreparedDataLoader):
     """A prepared DataLoader whose batches rank 0 reads and every rank receives its part of.
 
-    Besides :class:`~nblaunch.training.data.PreparedDataLoader`'s attributes: ``remainder``
+    Besides :class:`~nblaunch.training.data.prepared.PreparedDataLoader`'s attributes: ``remainder``
     counts the real samples of the last round once it is reached (-1 before).
     """
 

@@ -85,7 +85,7 @@ class WrapRule:
 
 @dataclass(frozen=True)
 class ShardingSettings:
-    """What :func:`nblaunch.training.fsdp.shard_model` does, every choice already checked."""
+    """What :func:`nblaunch.training.model.fsdp.shard_model` does, every choice already checked."""
 
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None

@@ -21,10 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from nblaunch.training.runtime.tree import recursively_apply
-
 __all__ = ["rank_state", "sync", "barrier", "all_gather", "all_reduce", "broadcast_",
-           "gather_objects", "broadcast_object", "reduce_gradients", "device_feeder", "to_cpu",
+           "gather_objects", "broadcast_object", "reduce_gradients", "device_feeder",
            "get_rng_state", "set_rng_state"]
 
 
@@ -123,14 +121,6 @@ def device_feeder(device: torch.device) -> Callable[[Any], Any]:
         return xm.send_cpu_data_to_device(batch, device)
 
     return feed
-
-
-def to_cpu(data: Any) -> Any:
-    """``data`` with every XLA tensor copied to the CPU (for ``torch.save``: ``xm.save``'s way).
-
-    Call :func:`sync` on *every* rank first, so no rank runs a graph with collectives alone.
-    """
-    return recursively_apply(lambda t: t.cpu() if t.device.type == "xla" else t, data)
 
 
 def get_rng_state(device: torch.device) -> int:

@@ -1,6 +1,7 @@
-"""The ``Accelerator``'s ``prepare`` family (Accelerate's names), a mixin of
-:class:`~nblaunch.training.accelerator.Accelerator`: it reads the configuration, device and
-process state from it and records what it prepares (for checkpoints and ``free_memory``).
+"""The ``Accelerator``'s ``prepare`` family (Accelerate's names), a group of methods of
+:class:`~nblaunch.training.accelerator.core.Accelerator`: it reads the configuration, device and
+process state that :class:`~nblaunch.training.accelerator.host.AcceleratorHost` declares and
+records what it prepares (for checkpoints and ``free_memory``).
 
 Example::
 
@@ -15,18 +16,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from nblaunch.training.model import placement
+from nblaunch.training.accelerator.host import AcceleratorHost
+from nblaunch.training.data.loaders import build_prepared_loader
 from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batches
+from nblaunch.training.model import placement
 from nblaunch.training.model.ddp import wrap_ddp
 from nblaunch.training.model.fsdp import is_sharded, shard_model, sharded_model_of
-from nblaunch.training.data.loaders import build_prepared_loader
-from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nblaunch.training.model.precision import AutocastForward
+from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 
 __all__ = ["PrepareMethods"]
 
 
-class PrepareMethods:
+class PrepareMethods(AcceleratorHost):
     """Models (device, autocast, DDP), optimizers, schedulers and DataLoaders made ready."""
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -157,23 +159,6 @@ class PrepareMethods:
             dispatch_batches=config.dispatch_batches)
         self._dataloaders.append(prepared)
         return prepared
-
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's model out of DDP (and torch.compile); without the autocast forward if asked.
-
-        A sharded model is the user's model itself (FSDP2 shards in place), its parameters shards:
-        ``get_state_dict(model)`` gives its whole weights.
-        """
-        while True:
-            if isinstance(model, DistributedDataParallel):
-                model = model.module
-            elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
-                model = model._orig_mod
-            else:
-                break
-        if not keep_fp32_wrapper and isinstance(model.__dict__.get("forward"), AutocastForward):
-            del model.__dict__["forward"]
-        return model
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """Iterate ``dataloader`` from batch ``num_batches`` of the epoch (see ``data.skip_first_batches``)."""

@@ -1,6 +1,8 @@
-"""The ``Accelerator``'s checkpoints, saving and logging (Accelerate's names), a mixin of
-:class:`~nblaunch.training.accelerator.Accelerator`: it reads the prepared objects, ``state``
-and ``project_dir`` from it. The work is done in :mod:`nblaunch.training.checkpoint`.
+"""The ``Accelerator``'s checkpoints, saving and logging (Accelerate's names), a group of
+methods of :class:`~nblaunch.training.accelerator.core.Accelerator`: it reads the prepared
+objects, ``state`` and ``project_dir`` that :class:`~nblaunch.training.accelerator.host.AcceleratorHost`
+declares, and hands checkpoints a :class:`~nblaunch.training.checkpoint.record.Prepared` record:
+the work is done in :mod:`nblaunch.training.checkpoint.files`.
 
 Example::
 
@@ -15,13 +17,26 @@ from typing import Any
 
 import torch
 
+from nblaunch.training.accelerator.host import AcceleratorHost
+from nblaunch.training.checkpoint import files
+from nblaunch.training.checkpoint.record import Prepared
+from nblaunch.training.model.fsdp import full_state_dict, is_sharded
+from nblaunch.training.runtime.memory import release_memory
 from nblaunch.worker import channel
 
 __all__ = ["PersistenceMethods"]
 
 
-class PersistenceMethods:
+class PersistenceMethods(AcceleratorHost):
     """save_state/load_state, save/save_model, log and trackers, freeing what was prepared."""
+
+    project_name: str  # set by init_trackers
+    config: dict | None
+
+    def _prepared(self) -> Prepared:
+        """What a checkpoint saves: the prepared objects (the lists themselves), scaler, device."""
+        return Prepared(self._models, self._optimizers, self._schedulers, self._dataloaders,
+                        self._custom_objects, self.scaler, self.device)
 
     def _checkpoint_dir(self, path: Any) -> str:
         if path is not None:
@@ -35,13 +50,12 @@ class PersistenceMethods:
 
         Call it on every process (it ends with a barrier). Returns the directory.
         """
-        from nblaunch.training.checkpoint import save_state
-        return save_state(self, self._checkpoint_dir(output_dir))
+        return files.save_state(self._prepared(), self._checkpoint_dir(output_dir), self.state, self.gradient_state)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True, **kwargs: Any) -> None:
         """Restore what :meth:`save_state` wrote; prepared DataLoaders resume mid-epoch."""
-        from nblaunch.training.checkpoint import load_state
-        load_state(self, self._checkpoint_dir(input_dir), strict=strict)
+        files.load_state(self._prepared(), self._checkpoint_dir(input_dir), self.state, self.gradient_state,
+                         strict=strict)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Also save/load these objects (each needs ``state_dict`` and ``load_state_dict``)."""
@@ -53,7 +67,6 @@ class PersistenceMethods:
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The model's state dict, unwrapped. For a sharded (FSDP) model: the whole weights on the
         CPU of the main process, an empty dict on the others; call it on every process."""
-        from nblaunch.training.model.fsdp import full_state_dict, is_sharded
         if is_sharded(model):
             return full_state_dict(model)
         return (self.unwrap_model(model) if unwrap else model).state_dict()
@@ -61,8 +74,7 @@ class PersistenceMethods:
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """``torch.save`` on the main process only (call it on every process: on XLA tensors are
         copied to the CPU first, ``xm.save``'s way)."""
-        from nblaunch.training.checkpoint import host_saver
-        save = host_saver(self.state)
+        save = files.host_saver(self.state)
         if self.is_main_process:
             save(obj, f)
 
@@ -70,13 +82,12 @@ class PersistenceMethods:
                    max_shard_size: Any = None, safe_serialization: bool = True) -> str:
         """Write the unwrapped model's weights (main process): ``model.safetensors`` when
         ``safetensors`` is installed and asked for, else ``pytorch_model.bin``. Returns the path."""
-        from nblaunch.training.checkpoint import host_saver
         save_directory = os.fspath(save_directory)
         state_dict = self.get_state_dict(model)
-        save = host_saver(self.state)
+        save = files.host_saver(self.state)
         save_file = None
         if safe_serialization:
-            try:
+            try:  # optional: safetensors
                 from safetensors.torch import save_file
             except ImportError:
                 warnings.warn("safetensors is not installed: writing pytorch_model.bin", stacklevel=2)
@@ -117,16 +128,13 @@ class PersistenceMethods:
 
     def free_memory(self, *objects: Any) -> tuple:
         """Drop references to everything prepared (and empty the CUDA cache)."""
-        import gc
         self._models.clear()
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
         self._custom_objects.clear()
         self._replaced_parameters.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
         return tuple(None for _ in objects)
 
     clear = free_memory

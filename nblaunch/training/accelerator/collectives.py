@@ -1,6 +1,7 @@
-"""The ``Accelerator``'s collectives and per-process helpers (Accelerate's names), a mixin of
-:class:`~nblaunch.training.accelerator.Accelerator`: it reads ``state``, ``device``,
-``num_processes`` and ``gradient_state`` from it.
+"""The ``Accelerator``'s collectives and per-process helpers (Accelerate's names), a group of
+methods of :class:`~nblaunch.training.accelerator.core.Accelerator`: it reads ``state``,
+``device``, ``num_processes`` and ``gradient_state``, as
+:class:`~nblaunch.training.accelerator.host.AcceleratorHost` declares them.
 
 Example::
 
@@ -13,16 +14,16 @@ from typing import Any, Callable
 
 import torch
 
+from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.runtime import collectives
 from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["CollectiveMethods"]
 
 
-class CollectiveMethods:
-    """Gathering, reducing, broadcasting; barriers; main-process helpers; the early-stop trigger."""
-
-    _trigger = False
+class CollectiveMethods(AcceleratorHost):
+    """Gathering, reducing, broadcasting; main-process helpers; the early-stop trigger (the
+    barrier, ``wait_for_everyone``, is the host's: every group uses it)."""
 
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors of all processes along dim 0 (see :func:`collectives.gather`)."""
@@ -59,9 +60,6 @@ class CollectiveMethods:
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
         return collectives.broadcast(tensor, from_process)
-
-    def wait_for_everyone(self) -> None:
-        self.state.wait_for_everyone()
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
         return self.state.split_between_processes(inputs, apply_padding)
