@@ -29,11 +29,11 @@ from nblaunch.training.runtime.seed import set_seed
 from nblaunch.training.runtime.tree import recursively_apply, send_to_device
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType", "DistributedDataParallelKwargs",
-    "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
-    "DistributedType", "DistributedOperationException",
-    "broadcast", "broadcast_object_list", "copy_tensor_to_devices", "gather", "gather_object", "pad_across_processes", "recursively_apply",
-    "reduce", "send_to_device", "set_seed", "synchronize_rng_states", "skip_first_batches",
+    "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "ProfileKwargs", "DistributedType", "DistributedOperationException",
+    "broadcast", "broadcast_object_list", "copy_tensor_to_devices", "gather", "gather_object", "pad_across_processes",
+    "recursively_apply", "reduce", "send_to_device", "set_seed", "synchronize_rng_states", "skip_first_batches",
     "find_executable_batch_size", "release_memory",
     "is_bf16_available", "is_fp16_available", "is_cuda_available", "is_mps_available", "is_xpu_available",
     "is_npu_available", "is_mlu_available", "is_hpu_available", "is_torch_xla_available",

@@ -209,7 +209,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """This rank's shards of the model's (or, with ``optimizer``, the optimizer's) state, keyed
     by parameter names: what ``torch.distributed.checkpoint`` saves and loads."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # deferred: heavy
+    # deferred: torch.distributed.checkpoint is heavy (see full_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     if optimizer is None:
         return get_model_state_dict(model)
     return get_optimizer_state_dict(model, optimizer)

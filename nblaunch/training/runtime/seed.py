@@ -50,7 +50,7 @@ def _numpy() -> Any:
     np = sys.modules.get("numpy")
     if np is None:
         try:
-            import numpy as np  # type: ignore[no-redef]
+            import numpy as np  # type: ignore[no-redef]  # optional: numpy
         except ImportError:
             return None
     return np

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.environment import (DistributedType, debug_mode, env_int, forces_cpu, launch_key,
-                                                    uses_xla)
+                                                   uses_xla)
 from nblaunch.training.runtime.splitting import split_inputs
 
 __all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state", "save_process_state",
