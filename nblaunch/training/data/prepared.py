@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
-from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
-from nblaunch.training.data.shuffle import ShufflePolicy
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.collectives import synchronize_rng_states
 from nblaunch.training.runtime.tree import send_to_device
 from nblaunch.worker import channel
 from nblaunch.worker.progress import BarReporter
+
+if TYPE_CHECKING:
+    from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
+    from nblaunch.training.data.shuffle import ShufflePolicy
 
 __all__ = ["PreparedDataLoader", "Progress", "skip_first_batches", "marking_last"]
 
@@ -101,17 +103,7 @@ class PreparedDataLoader(DataLoader):
     def remainder(self) -> int:
         """Real samples in the last round of the epoch, or -1 when it holds no repeated ones."""
         shard = self._shard
-        if shard is None:
-            return -1
-        if isinstance(shard, IterableDatasetShard) and self.num_workers > 0:
-            # The shard ran in the worker processes: work it out from the length, if known.
-            try:
-                n = len(shard.dataset)  # type: ignore[arg-type]
-            except TypeError:
-                return -1
-            rest = n % (shard.batch_size * shard.num_processes)
-            return rest if rest and shard.even_batches and not shard.drop_last else -1
-        return shard.last_round_real
+        return -1 if shard is None else shard.real_in_last_round(in_workers=self.num_workers > 0)
 
     def state_dict(self) -> dict:
         """The data position: saved by ``save_state``."""
@@ -155,9 +147,7 @@ class PreparedDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         skip = self._start_epoch()
         shard = self._shard
-        index_skip = isinstance(shard, ShardedBatchSampler) and skip > 0
-        if index_skip:
-            shard.skip = skip
+        index_skip = skip > 0 and shard is not None and shard.skip_first(skip)
         return self._batches(self._base_iterator(), skip, index_skip)
 
     def _base_iterator(self, read: bool = True) -> Iterator[Any] | None:

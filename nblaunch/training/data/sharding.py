@@ -62,6 +62,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
 
+    def skip_first(self, batches: int) -> bool:
+        """Leave out this rank's first ``batches`` at the next iteration, at the index level (the
+        skipped batches are never loaded); True: done here."""
+        self.skip = batches
+        return True
+
+    def real_in_last_round(self, in_workers: bool) -> int:
+        """Real samples in the last round of the last epoch, or -1 when it holds no repeated ones."""
+        return self.last_round_real
+
     def __len__(self) -> int:
         return self.length_for(self.process_index)
 
@@ -240,6 +250,23 @@ class IterableDatasetShard(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
+
+    def skip_first(self, batches: int) -> bool:
+        """False: a stream's skipped batches must be read (the prepared loader reads past them)."""
+        return False
+
+    def real_in_last_round(self, in_workers: bool) -> int:
+        """Real samples in the last round of the last epoch, or -1 when it holds no repeated ones.
+        ``in_workers``: the shard ran in DataLoader worker processes, whose counts stay there, so
+        the answer is worked out from the dataset's length (-1 without one)."""
+        if not in_workers:
+            return self.last_round_real
+        try:
+            n = len(self.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            return -1
+        rest = n % (self.batch_size * self.num_processes)
+        return rest if rest and self.even_batches and not self.drop_last else -1
 
     def __len__(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
