@@ -80,6 +80,6 @@ def run_code(source: str, sent: dict[str, Any], filename: str = "<distributed ce
 
 
 def _clean_training_state() -> None:
-    from nblaunch.training.step.gradient_state import forget_loop_state
+    from nblaunch.training.step.gradient_state import forget_loop_state  # deferred: nblaunch.worker loads without torch
 
     forget_loop_state()
