@@ -154,7 +154,7 @@ def _run_in_this_process(plan: LaunchPlan, function: Callable, args: tuple) -> A
     saved = {name: os.environ.get(name) for name in environ}
     dist = sys.modules.get("torch.distributed")
     had_group = bool(dist is not None and dist.is_available() and dist.is_initialized())
-    kept = _training_state().saved_process_state() if _training_loaded() else {}
+    kept = _training_state().save_process_state() if _training_loaded() else {}
     accelerates = save_accelerate_state()
     os.environ.update(environ)
     try:
@@ -180,6 +180,6 @@ def _training_loaded() -> bool:
 def _training_state() -> Any:
     # Deferred: only once the training side is loaded; importing it for a launch that does not
     # train would cost the kernel a second.
-    from nblaunch.training import state
+    from nblaunch.training.runtime import state
 
     return state

@@ -15,7 +15,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 LAYERS = [
     ["nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree", "nblaunch.preimport"],
     ["nblaunch.worker", "nblaunch.display"],
-    ["nblaunch.training"],
+    # training/: one folder per concern, each importing only those before it
+    ["nblaunch.training.runtime"],
+    ["nblaunch.training.options"],
+    ["nblaunch.training.model"],
+    ["nblaunch.training.step"],
+    ["nblaunch.training.data"],
+    ["nblaunch.training.checkpoint"],
+    ["nblaunch.training.accelerator"],
+    ["nblaunch.training"],  # its __init__: the public names
     ["nblaunch.launch"],
     ["nblaunch.cluster"],
     ["nblaunch.homes"],

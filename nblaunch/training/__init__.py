@@ -18,20 +18,20 @@ from nblaunch.preimport import import_for_ranks
 # it, and a kernel's first launch reaches its first training step in milliseconds.
 import_for_ranks("torch._dynamo")
 
-from nblaunch.training.accelerator import Accelerator
-from nblaunch.training.config import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
-                                      DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
-                                      InitProcessGroupKwargs, ProfileKwargs)
-from nblaunch.training.data import skip_first_batches
-from nblaunch.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nblaunch.training.ops import (broadcast, broadcast_object_list, gather, gather_object,
-                                   pad_across_processes, reduce, send_to_device)
-from nblaunch.training.seed import set_seed
-from nblaunch.training.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
-from nblaunch.training.local_sgd import LocalSGD
-from nblaunch.training.gradient_state import GradientState
-from nblaunch.training.state import (AcceleratorState, DistributedType, PartialState,
-                                     reset_process_state)
+from nblaunch.training.accelerator.core import Accelerator
+from nblaunch.training.data.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
+from nblaunch.training.data.prepared import skip_first_batches
+from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
+from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
+                                              DistributedDataParallelKwargs, GradientAccumulationPlugin,
+                                              GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
+from nblaunch.training.runtime.collectives import (broadcast, broadcast_object_list, gather, gather_object,
+                                                   pad_across_processes, reduce)
+from nblaunch.training.runtime.seed import set_seed
+from nblaunch.training.runtime.state import AcceleratorState, DistributedType, PartialState, reset_process_state
+from nblaunch.training.runtime.tree import send_to_device
+from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.step.local_sgd import LocalSGD
 
 __all__ = [
     "Accelerator", "PartialState", "AcceleratorState", "GradientState", "DistributedType", "reset_process_state",

@@ -1,6 +1,6 @@
 import pytest
 
-from nblaunch.training.state import reset_process_state
+from nblaunch.training.runtime.state import reset_process_state
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nblaunch.training import Accelerator
-from nblaunch.training.ops import ShapeMismatchError
+from nblaunch.training.runtime.collectives import ShapeMismatchError
 
 
 def _collectives(tmp):

@@ -210,7 +210,7 @@ def test_size_based_wrapping_of_every_module_never_splits_attention(ddp_and_fsdp
 
 
 def differently_initialised_ranks(options):
-    from nblaunch.training.state import PartialState
+    from nblaunch.training.runtime.state import PartialState
 
     torch.manual_seed(PartialState().process_index)  # each rank its own weights
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from nblaunch.training.sharding import IterableDatasetShard, ShardedBatchSampler
+from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
 
 
 def shards(n, bs, P, drop_last=False, **kw):

@@ -1,0 +1,204 @@
+"""The ``Accelerator``: the training side of a launch, with Accelerate's names and semantics.
+
+Replace ``from accelerate import Accelerator`` by ``from nblaunch import Accelerator`` and a
+training function keeps working::
+
+    def train():
+        accelerator = Accelerator(mixed_precision="bf16")
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            accelerator.log({"loss": loss}, step=...)
+
+    notebook_launcher(train, num_processes=2)
+
+On XLA (``notebook_launcher(train, start_method="xla")``, automatic on TPU hosts) the same
+function runs once per device: no DDP, gradients averaged by the prepared optimizer through XLA,
+one ``torch_xla.sync()`` per batch and per optimizer step, bf16 through autocast on the device.
+
+The differences from Accelerate that are on purpose are listed in ``docs/accelerator.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+from nblaunch.training.accelerator.collectives import CollectiveMethods
+from nblaunch.training.accelerator.persistence import PersistenceMethods
+from nblaunch.training.accelerator.prepare import PrepareMethods
+from nblaunch.training.accelerator.training_step import TrainingStepMethods
+from nblaunch.training.model.placement import ReplacedParameters
+from nblaunch.training.model.precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
+from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin, sharding_settings
+from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
+                                              GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
+                                              ProfileKwargs, adopt, refuse_unsupported)
+from nblaunch.training.runtime.state import AcceleratorState, DistributedType
+from nblaunch.training.step.gradient_state import GradientState
+
+__all__ = ["Accelerator"]
+
+
+# Accelerate arguments for features nblaunch does not have: refused when actually used.
+_UNSUPPORTED = ("deepspeed_plugin", "megatron_lm_plugin", "torch_tp_plugin",
+                "parallelism_config", "dynamo_backend", "dynamo_plugin")
+# Accelerate arguments that are accepted and have no effect here.
+_IGNORED = ("log_with", "project_config", "downcast_bf16", "logging_dir")
+
+
+class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, PersistenceMethods):
+    """Per-process training helper: device placement, DDP, mixed precision, accumulation,
+    sharded data, collectives and checkpoints.
+
+    Args:
+        device_placement: move prepared models and batches to ``accelerator.device``.
+        split_batches: the DataLoader batch size is the global one (split between processes).
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; None reads
+            ``NBLAUNCH_MIXED_PRECISION`` (the launcher's ``mixed_precision=``), default ``"no"``.
+        gradient_accumulation_steps: micro-steps per optimizer step (with :meth:`accumulate`).
+        cpu: use the CPU (gloo) even if CUDA is available.
+        dataloader_config: a :class:`DataLoaderConfiguration`.
+        even_batches: shortcut for ``dataloader_config.even_batches``.
+        step_scheduler_with_optimizer: prepared schedulers advance only after a real optimizer
+            step (True) or at every ``step()`` call (False).
+        step_scheduler_per_process: after a real optimizer step a prepared scheduler steps once
+            per process (True, Accelerate's behaviour: a schedule sized from the unprepared
+            loader's length ends with the data) or once (False: 2 processes x batch b then train
+            exactly like 1 process x batch 2b). With ``split_batches`` it steps once either way.
+        kwargs_handlers: :class:`DistributedDataParallelKwargs`, :class:`GradScalerKwargs`,
+            :class:`AutocastKwargs`.
+        gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin`.
+        project_dir: default directory of ``save_state`` / ``load_state``.
+        rng_types: RNGs given rank 0's state at the start of every epoch of a prepared loader
+            (Accelerate's; default ``["generator"]``, the shuffle's own generator).
+        fsdp_plugin: a :class:`~nblaunch.utils.FullyShardedDataParallelPlugin` (or Accelerate's):
+            ``prepare`` shards models with FSDP2 instead of wrapping them in DDP.
+
+    Example::
+
+        accelerator = Accelerator(gradient_accumulation_steps=2)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        step_scheduler_per_process: bool = True,
+        kwargs_handlers: Iterable[Any] | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        even_batches: bool | None = None,
+        project_dir: str | os.PathLike | None = None,
+        rng_types: list[str] | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | Any = None,
+        **kwargs: Any,
+    ) -> None:
+        for name, value in kwargs.items():
+            if name in _UNSUPPORTED:
+                if value not in (None, False, "no", "NO"):
+                    raise NotImplementedError(f"Accelerator({name}=...) is not supported by nblaunch")
+            elif name == "dispatch_batches":  # Accelerate before 1.0 took it here
+                continue
+            elif name not in _IGNORED:
+                raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}")
+        handlers = [adopt(h) for h in kwargs_handlers or ()]  # Accelerate's own objects too
+        group = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+        self.state = AcceleratorState(cpu=cpu, **_group_arguments(group))
+        self.device = self.state.device
+        self.device_placement = device_placement
+        self.mixed_precision = resolve_mixed_precision(mixed_precision)
+        check_supported(self.mixed_precision, self.device)
+        self._autocast_dtype = autocast_dtype(self.mixed_precision)
+        self.fsdp_plugin = fsdp_plugin
+        self._sharding = None
+        if fsdp_plugin is not None:
+            if self.state.distributed_type is DistributedType.XLA:
+                raise NotImplementedError("fsdp_plugin is not supported on XLA devices by nblaunch")
+            self._sharding = sharding_settings(fsdp_plugin, self.mixed_precision)  # refuses before any step
+        self.state.fsdp_plugin = fsdp_plugin
+
+        config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
+        refuse_unsupported(config)
+        if split_batches is not None:
+            config.split_batches = split_batches
+        if even_batches is not None:
+            config.even_batches = even_batches
+        if kwargs.get("dispatch_batches") is not None:
+            config.dispatch_batches = kwargs["dispatch_batches"]
+        self.dataloader_config = config
+        self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
+
+        self.ddp_options = DistributedDataParallelKwargs()
+        scaler_kwargs: dict[str, Any] = {}
+        self.autocast_kwargs = {}
+        self.profile_handler = None
+        for handler in handlers:
+            if isinstance(handler, DistributedDataParallelKwargs):
+                self.ddp_options = handler
+            elif isinstance(handler, GradScalerKwargs):
+                scaler_kwargs = handler.to_kwargs()
+            elif isinstance(handler, AutocastKwargs):
+                self.autocast_kwargs = handler.to_kwargs()
+            elif isinstance(handler, ProfileKwargs):
+                self.profile_handler = handler
+            elif not isinstance(handler, InitProcessGroupKwargs):
+                raise TypeError(f"unsupported kwargs handler {type(handler).__name__}")
+
+        self.sync_each_batch = False
+        if gradient_accumulation_plugin is not None:
+            plugin = adopt(gradient_accumulation_plugin)
+            if gradient_accumulation_steps != 1:
+                raise ValueError("give gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+            steps, sync_with_dataloader = plugin.num_steps or 1, plugin.sync_with_dataloader
+            self.sync_each_batch = plugin.sync_each_batch
+        else:
+            steps, sync_with_dataloader = gradient_accumulation_steps, True
+        if steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
+        self.gradient_state = GradientState(steps, sync_with_dataloader)
+
+        self.scaler = None
+        if self.mixed_precision == "fp16":
+            self.scaler = make_grad_scaler(self.device, **scaler_kwargs)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.step_scheduler_per_process = step_scheduler_per_process
+        self.project_dir = os.fspath(project_dir) if project_dir is not None else None
+
+        self._models = []
+        self._optimizers = []
+        self._schedulers = []
+        self._dataloaders = []
+        self._custom_objects = []
+        self._replaced_parameters = ReplacedParameters()
+        self._trigger = False
+        self.trackers = []
+        self._accumulate_context = None
+
+    def __repr__(self) -> str:
+        return (f"Accelerator(process {self.process_index}/{self.num_processes}, device={self.device}, "
+                f"mixed_precision={self.mixed_precision!r}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _group_arguments(group: InitProcessGroupKwargs | None) -> dict[str, Any]:
+    """PartialState's arguments from Accelerate's InitProcessGroupKwargs: its timeout, and its
+    backend where it was chosen (its default, nccl, only means "the device's own")."""
+    if group is None:
+        return {}
+    arguments: dict[str, Any] = {}
+    if group.timeout is not None:
+        arguments["timeout"] = group.timeout
+    if group.backend not in (None, "nccl"):
+        arguments["backend"] = group.backend
+    return arguments

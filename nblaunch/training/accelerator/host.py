@@ -1,0 +1,161 @@
+"""What the parts of the :class:`~nblaunch.training.accelerator.core.Accelerator` read from it,
+declared in one place: :class:`AcceleratorHost`, the base of every part.
+
+The Accelerator is its constructor (``core``) plus four groups of methods, each a base class of
+it: ``prepare``, ``training_step``, ``collectives`` and ``persistence``. A group reads only what
+the host declares here (the attributes ``Accelerator.__init__`` sets, the process-state
+properties, ``unwrap_model`` and ``wait_for_everyone``) and its own methods, never another
+group's.
+
+Example::
+
+    class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, PersistenceMethods):
+        def __init__(self, ...):
+            self.state = AcceleratorState(...)   # every attribute AcceleratorHost declares
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nblaunch.training.model.unwrap import unwrap_model
+from nblaunch.training.runtime.state import AcceleratorState, DistributedType
+
+if TYPE_CHECKING:
+    from nblaunch.training.data.prepared import PreparedDataLoader
+    from nblaunch.training.model.placement import ReplacedParameters
+    from nblaunch.training.options.fsdp_plugin import ShardingSettings
+    from nblaunch.training.options.kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, ProfileKwargs
+    from nblaunch.training.step.accumulation import Accumulate
+    from nblaunch.training.step.gradient_state import GradientState
+    from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+
+__all__ = ["AcceleratorHost"]
+
+
+class AcceleratorHost:
+    """The Accelerator's state, as its method groups see it; ``Accelerator.__init__`` sets every
+    attribute declared here."""
+
+    # The process and the configuration.
+    state: AcceleratorState
+    device: torch.device
+    device_placement: bool
+    mixed_precision: str
+    fsdp_plugin: Any
+    dataloader_config: DataLoaderConfiguration
+    rng_types: list[str]
+    ddp_options: DistributedDataParallelKwargs
+    autocast_kwargs: dict[str, Any]
+    profile_handler: ProfileKwargs | None
+    sync_each_batch: bool
+    gradient_state: GradientState
+    scaler: torch.amp.GradScaler | None
+    step_scheduler_with_optimizer: bool
+    step_scheduler_per_process: bool
+    project_dir: str | None
+    trackers: list[Any]
+    _autocast_dtype: torch.dtype | None
+    _sharding: ShardingSettings | None  # None: models are wrapped in DDP, not sharded
+
+    # What was prepared, in order (Accelerate's names: transformers' Trainer reads _models).
+    _models: list[torch.nn.Module]
+    _optimizers: list[AcceleratedOptimizer]
+    _schedulers: list[AcceleratedScheduler]
+    _dataloaders: list[PreparedDataLoader]
+    _custom_objects: list[Any]  # register_for_checkpointing's
+    _replaced_parameters: ReplacedParameters
+    _accumulate_context: Accumulate | None  # the last accumulate()'s, reused for the same models
+    _trigger: bool  # set_trigger's flag
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        if self._sharding is not None and self.state.num_processes > 1:
+            return DistributedType.FSDP
+        return self.state.distributed_type
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True when ``prepare`` shards models (an ``fsdp_plugin`` was given): always FSDP2 here."""
+        return self._sharding is not None
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.num_processes > 1
+
+    @property
+    def _on_xla(self) -> bool:
+        return self.state.distributed_type is DistributedType.XLA
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.process_index == self.state.num_processes - 1
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on micro-steps where gradients are synchronised and the optimizer steps."""
+        return self.gradient_state.sync_gradients
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.num_steps = steps
+
+    @property
+    def step(self) -> int:
+        """Micro-steps since the last synchronised step."""
+        return self.gradient_state.step
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True if the last optimizer step was skipped (fp16 overflow)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's model out of DDP (and torch.compile); without the autocast forward if asked.
+
+        A sharded model is the user's model itself (FSDP2 shards in place), its parameters shards:
+        ``get_state_dict(model)`` gives its whole weights.
+        """
+        return unwrap_model(model, keep_fp32_wrapper)
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point (a barrier); no-op with one process."""
+        self.state.wait_for_everyone()

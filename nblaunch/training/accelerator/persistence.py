@@ -1,0 +1,140 @@
+"""The ``Accelerator``'s checkpoints, saving and logging (Accelerate's names), a group of
+methods of :class:`~nblaunch.training.accelerator.core.Accelerator`: it reads the prepared
+objects, ``state`` and ``project_dir`` that :class:`~nblaunch.training.accelerator.host.AcceleratorHost`
+declares, and hands checkpoints a :class:`~nblaunch.training.checkpoint.record.Prepared` record:
+the work is done in :mod:`nblaunch.training.checkpoint.files`.
+
+Example::
+
+    accelerator.save_state("ckpt")      # every rank; resumes mid-epoch with load_state("ckpt")
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from nblaunch.training.accelerator.host import AcceleratorHost
+from nblaunch.training.checkpoint import files
+from nblaunch.training.checkpoint.record import Prepared
+from nblaunch.training.model.fsdp import full_state_dict, is_sharded
+from nblaunch.training.runtime.memory import release_memory
+from nblaunch.worker import channel
+
+__all__ = ["PersistenceMethods"]
+
+
+class PersistenceMethods(AcceleratorHost):
+    """save_state/load_state, save/save_model, log and trackers, freeing what was prepared."""
+
+    project_name: str  # set by init_trackers
+    config: dict | None
+
+    def _prepared(self) -> Prepared:
+        """What a checkpoint saves: the prepared objects (the lists themselves), scaler, device."""
+        return Prepared(self._models, self._optimizers, self._schedulers, self._dataloaders,
+                        self._custom_objects, self.scaler, self.device)
+
+    def _checkpoint_dir(self, path: Any) -> str:
+        if path is not None:
+            return os.fspath(path)
+        if self.project_dir is None:
+            raise ValueError("give a directory, or Accelerator(project_dir=...)")
+        return os.path.join(self.project_dir, "checkpoint")
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+        """Save models, optimizers, schedulers, scaler, every rank's RNG states and data positions.
+
+        Call it on every process (it ends with a barrier). Returns the directory.
+        """
+        return files.save_state(self._prepared(), self._checkpoint_dir(output_dir), self.state, self.gradient_state)
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True, **kwargs: Any) -> None:
+        """Restore what :meth:`save_state` wrote; prepared DataLoaders resume mid-epoch."""
+        files.load_state(self._prepared(), self._checkpoint_dir(input_dir), self.state, self.gradient_state,
+                         strict=strict)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Also save/load these objects (each needs ``state_dict`` and ``load_state_dict``)."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ValueError(f"{type(obj).__name__} has no state_dict/load_state_dict")
+            self._custom_objects.append(obj)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The model's state dict, unwrapped. For a sharded (FSDP) model: the whole weights on the
+        CPU of the main process, an empty dict on the others; call it on every process."""
+        if is_sharded(model):
+            return full_state_dict(model)
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """``torch.save`` on the main process only (call it on every process: on XLA tensors are
+        copied to the CPU first, ``xm.save``'s way)."""
+        save = files.host_saver(self.state)
+        if self.is_main_process:
+            save(obj, f)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
+                   max_shard_size: Any = None, safe_serialization: bool = True) -> str:
+        """Write the unwrapped model's weights (main process): ``model.safetensors`` when
+        ``safetensors`` is installed and asked for, else ``pytorch_model.bin``. Returns the path."""
+        save_directory = os.fspath(save_directory)
+        state_dict = self.get_state_dict(model)
+        save = files.host_saver(self.state)
+        save_file = None
+        if safe_serialization:
+            try:  # optional: safetensors
+                from safetensors.torch import save_file
+            except ImportError:
+                warnings.warn("safetensors is not installed: writing pytorch_model.bin", stacklevel=2)
+        if save_file is not None:
+            path = os.path.join(save_directory, "model.safetensors")
+        else:
+            path = os.path.join(save_directory, "pytorch_model.bin")
+        if self.is_main_process:
+            os.makedirs(save_directory, exist_ok=True)
+            if save_file is not None:
+                save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, path,
+                          metadata={"format": "pt"})
+            else:
+                save(state_dict, path)
+        self.wait_for_everyone()
+        return path
+
+    # -- logging ------------------------------------------------------------------------------
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Send scalar metrics to the launching cell (every rank sends; the display chooses).
+
+        Outside a launch it does nothing. Tensors are turned into numbers (``.item()``).
+        """
+        channel.log_metrics(values, step)  # a no-op outside a launch
+
+    def init_trackers(self, project_name: str, config: dict | None = None,
+                      init_kwargs: dict | None = None) -> None:
+        """Accepted for compatibility: metrics go to the launching cell, not to trackers."""
+        self.project_name = project_name
+        self.config = config
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> None:
+        return None
+
+    def end_training(self) -> None:
+        self.wait_for_everyone()
+
+    def free_memory(self, *objects: Any) -> tuple:
+        """Drop references to everything prepared (and empty the CUDA cache)."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self._custom_objects.clear()
+        self._replaced_parameters.clear()
+        release_memory()
+        return tuple(None for _ in objects)
+
+    clear = free_memory

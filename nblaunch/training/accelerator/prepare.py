@@ -1,0 +1,174 @@
+"""The ``Accelerator``'s ``prepare`` family (Accelerate's names), a group of methods of
+:class:`~nblaunch.training.accelerator.core.Accelerator`: it reads the configuration, device and
+process state that :class:`~nblaunch.training.accelerator.host.AcceleratorHost` declares and
+records what it prepares (for checkpoints and ``free_memory``).
+
+Example::
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from nblaunch.training.accelerator.host import AcceleratorHost
+from nblaunch.training.data.loaders import build_prepared_loader
+from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batches
+from nblaunch.training.model import placement
+from nblaunch.training.model.ddp import wrap_ddp
+from nblaunch.training.model.fsdp import is_sharded, shard_model, sharded_model_of
+from nblaunch.training.model.precision import AutocastForward
+from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+
+__all__ = ["PrepareMethods"]
+
+
+class PrepareMethods(AcceleratorHost):
+    """Models (device, autocast, DDP), optimizers, schedulers and DataLoaders made ready."""
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, DataLoaders and LR schedulers; returned in the given order.
+
+        Anything else is returned unchanged, and so is an object that is already prepared.
+        One object in, one object out; several in, a tuple out.
+        """
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError("device_placement needs one entry per object")
+        results: list[Any] = list(args)
+        # Models first: optimizers need their new parameters (XLA, FSDP). Schedulers last: they
+        # need the prepared optimizers.
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.nn.Module):
+                results[i] = self.prepare_model(obj, device_placement=device_placement[i])
+        for i, (obj, place) in enumerate(zip(args, device_placement)):
+            if not isinstance(obj, torch.nn.Module) and not _is_scheduler(obj):
+                results[i] = self._prepare_one(obj, place)
+        for i, obj in enumerate(args):
+            if _is_scheduler(obj):
+                results[i] = self.prepare_scheduler(obj)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _prepare_one(self, obj: Any, place: bool | None) -> Any:
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=place)
+        if isinstance(obj, DataLoader):
+            return self.prepare_data_loader(obj, device_placement=place)
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """Move to the device, wrap the forward in autocast (mixed precision), wrap in DDP, or
+        shard it with FSDP2 when the Accelerator has an ``fsdp_plugin``.
+
+        DDP and FSDP are used only with more than one process and trainable parameters (and not
+        with ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients
+        there). Moving to XLA and sharding make new parameters: an optimizer prepared after is
+        pointed at them.
+        """
+        if any(model is m for m in self._models) or isinstance(model, DistributedDataParallel):
+            return model
+        if is_sharded(model):  # sharded by the user: saved and loaded with the others
+            self._models.append(model)
+            return model
+        if device_placement is None:
+            device_placement = self.device_placement
+        distribute = (self.num_processes > 1 and not evaluation_mode and not self._on_xla
+                      and any(p.requires_grad for p in model.parameters()))
+        shard = distribute and self._sharding is not None
+        before = dict(model.named_parameters())
+        if device_placement and not shard:  # sharding moves one unit at a time, or offloads
+            model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
+        if self._autocast_dtype is not None and not isinstance(model.__dict__.get("forward"), AutocastForward):
+            model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
+        if shard:
+            model = shard_model(model, self._sharding, self.device)
+        elif distribute:
+            model = wrap_ddp(model, self.device, self.ddp_options)
+        self._replaced_parameters.record(before, model)
+        for prepared in self._optimizers:  # prepared before their model
+            self._replaced_parameters.switch(prepared.optimizer)
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
+        """Wrap so that ``step``/``zero_grad`` act only on sync steps, through the fp16 scaler
+        (on XLA: averaging the gradients over the devices, then ``torch_xla.sync()``).
+
+        On XLA, moving a model makes new parameters: prepare the model and its optimizer in one
+        ``prepare`` call (the optimizer is pointed at the moved parameters), or create the
+        optimizer after preparing the model.
+        """
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        for opt in self._optimizers:
+            if opt.optimizer is optimizer:
+                return opt
+        if device_placement is None:
+            device_placement = self.device_placement
+        self._replaced_parameters.switch(optimizer)
+        sharded_model_of(self._models, optimizer)  # refuses one over a sharded model and more
+        if device_placement and self._on_xla:
+            placement.check_on_xla(optimizer)
+        if device_placement and self.device.type != "cpu" and optimizer.state:
+            optimizer.load_state_dict(optimizer.state_dict())  # moves existing state to the params' device
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler, on_xla=self._on_xla)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap so that the scheduler advances once per real optimizer step."""
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        for sched in self._schedulers:
+            if sched.scheduler is scheduler:
+                return sched
+        target = getattr(scheduler, "optimizer", None)
+        if isinstance(target, AcceleratedOptimizer):
+            target = target.optimizer
+        optimizers = [opt for opt in self._optimizers if opt.optimizer is target] or list(self._optimizers)
+        per_process = self.step_scheduler_per_process and not self.split_batches
+        wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state,
+                                       step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       steps_per_optimizer_step=self.num_processes if per_process else 1)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader,
+                            device_placement: bool | None = None) -> PreparedDataLoader:
+        """This process's share of ``data_loader``, its batches on the device: read by this
+        process, or by rank 0 and dispatched (``dispatch_batches``; see ``loaders``)."""
+        if isinstance(data_loader, PreparedDataLoader):
+            return data_loader
+        if device_placement is None:
+            device_placement = self.device_placement
+        config = self.dataloader_config
+        prepared = build_prepared_loader(
+            data_loader, num_processes=self.num_processes, process_index=self.process_index,
+            device=self.device if device_placement else None, gradient_state=self.gradient_state,
+            split_batches=config.split_batches, even_batches=config.even_batches,
+            non_blocking=config.non_blocking, rng_types=self.rng_types,
+            seedable_sampler=config.use_seedable_sampler, data_seed=config.data_seed,
+            dispatch_batches=config.dispatch_batches)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Iterate ``dataloader`` from batch ``num_batches`` of the epoch (see ``data.skip_first_batches``)."""
+        return skip_first_batches(dataloader, num_batches)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    if isinstance(obj, AcceleratedScheduler):
+        return True
+    base = getattr(torch.optim.lr_scheduler, "LRScheduler", None)
+    if base is not None and isinstance(obj, base):
+        return True
+    return isinstance(obj, torch.optim.lr_scheduler.ReduceLROnPlateau)

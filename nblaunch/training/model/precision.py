@@ -1,0 +1,100 @@
+"""Mixed precision: which mode, the autocast context, the model-forward wrapper, the GradScaler.
+
+Modes are ``"no"``, ``"fp16"`` and ``"bf16"``. ``mixed_precision=None`` reads
+``NBLAUNCH_MIXED_PRECISION`` (set by the launcher from its own ``mixed_precision=``), so the
+launcher's choice reaches every worker; an explicit argument wins.
+
+fp16 works for real on the CPU too (CPU autocast to float16 and ``torch.amp.GradScaler("cpu")``),
+it is never silently ignored. fp8 is refused with a clear error, and so is fp16 on XLA devices
+(TPUs compute in bf16; ``bf16`` autocasts on the XLA device).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from nblaunch.training.runtime.tree import recursively_apply
+
+__all__ = ["resolve_mixed_precision", "autocast_dtype", "AutocastForward", "convert_outputs_to_fp32",
+           "make_grad_scaler"]
+
+_MODES = ("no", "fp16", "bf16")
+_ALIASES = {"none": "no", "fp32": "no", "": "no", "float16": "fp16", "half": "fp16",
+            "bfloat16": "bf16"}
+
+
+def resolve_mixed_precision(value: str | None) -> str:
+    """The mode to use: ``value`` if given, else ``NBLAUNCH_MIXED_PRECISION``, else ``"no"``."""
+    source = "mixed_precision"
+    if value is None:
+        value = os.environ.get("NBLAUNCH_MIXED_PRECISION", "no")
+        source = "NBLAUNCH_MIXED_PRECISION"
+    mode = str(value).strip().lower()
+    mode = _ALIASES.get(mode, mode)
+    if mode == "fp8":
+        raise NotImplementedError(
+            f"{source}='fp8' is not supported by nblaunch.training; use 'bf16' or 'fp16'.")
+    if mode not in _MODES:
+        raise ValueError(f"{source} must be one of {', '.join(_MODES)}, got {value!r}")
+    return mode
+
+
+def autocast_dtype(mode: str) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
+
+
+def check_supported(mode: str, device: torch.device) -> None:
+    """Refuse, with a clear message, a mode this device cannot run.
+
+    Example: ``check_supported("fp16", torch.device("xla", 0))`` raises ``ValueError``.
+    """
+    if mode == "fp16" and device.type == "xla":
+        raise ValueError("mixed_precision='fp16' is not supported on XLA devices (no GradScaler "
+                         "there, and TPUs compute in bf16): use 'bf16' or 'no'")
+    if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"mixed_precision='bf16' is not supported by {torch.cuda.get_device_name(device)}")
+    if mode == "fp16" and device.type == "cpu":
+        try:
+            torch.amp.GradScaler("cpu")
+        except Exception as exc:  # older torch: no CPU GradScaler
+            raise ValueError("mixed_precision='fp16' on the CPU needs torch.amp.GradScaler('cpu') "
+                             f"(torch >= 2.3): {exc}. Use 'bf16' on the CPU.") from exc
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def convert_outputs_to_fp32(output: Any) -> Any:
+    """Half-precision tensors in a (nested) output become float32, so losses are computed in fp32."""
+    if isinstance(output, torch.Tensor):  # the usual case, without the recursion
+        return _to_fp32(output)
+    return recursively_apply(_to_fp32, output)
+
+
+class AutocastForward:
+    """Stands in for ``model.forward``: runs the original under autocast, returns fp32 outputs.
+
+    Kept as an instance attribute of the model, so DDP (which calls ``module(...)``) goes through
+    it; :func:`unwrap_model` takes it away again.
+    """
+
+    __slots__ = ("forward", "device_type", "dtype", "__wrapped__")
+
+    def __init__(self, forward: Callable, device_type: str, dtype: torch.dtype) -> None:
+        self.forward = forward
+        self.__wrapped__ = forward
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            output = self.forward(*args, **kwargs)
+        return convert_outputs_to_fp32(output)
+
+
+def make_grad_scaler(device: torch.device, **kwargs: Any) -> "torch.amp.GradScaler":
+    return torch.amp.GradScaler(device.type, **kwargs)
