@@ -104,3 +104,17 @@ def test_stale_state_from_other_launch_variables_is_rebuilt(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     state = PartialState()
     assert state.num_processes == 1 and state.distributed_type is DistributedType.NO
+
+
+def _remakes_the_state():
+    reset_process_state()  # forgets whatever the kernel had, as a fresh script would
+    return Accelerator(cpu=True).device.type
+
+
+def test_a_one_process_launch_in_the_kernel_leaves_the_kernels_state_as_it_was():
+    from nblaunch import notebook_launcher
+
+    Accelerator(mixed_precision="bf16")  # made in the "notebook" process
+    before = dict(PartialState().__dict__)
+    assert notebook_launcher(_remakes_the_state, num_processes=1, display="none") == ["cpu"]
+    assert dict(PartialState().__dict__) == before
