@@ -21,9 +21,9 @@ import cloudpickle
 
 import nblaunch
 from nblaunch.events import Event, LaunchFinished, LaunchStarted
-from nblaunch.launch.planning import ports
 from nblaunch.launch.errors import LaunchTimeoutError, RankFailedError, RankFailure
 from nblaunch.launch.handle import Launch
+from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchRequest, make_plan
 
 _MAX_BATCH = 2000  # events per answer: a chatty node's backlog goes in several round trips

@@ -25,10 +25,10 @@ from nblaunch.cluster.placement import NodeRequest
 from nblaunch.cluster.watcher import RayWatcher
 from nblaunch.events import Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
-from nblaunch.launch.starting.payload import Payload
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.checks import check_basics, check_elastic_arguments, port_number, positive_int
 from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest, plural
+from nblaunch.launch.starting.payload import Payload
 
 _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
 

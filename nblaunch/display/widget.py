@@ -39,8 +39,8 @@ import time
 from typing import Any
 
 from nblaunch.display import render
-from nblaunch.display.summary import summary_html
 from nblaunch.display.state import HEADER, MERGED_LOG, METRICS, RANKS, STACKS, LaunchView, rank_log
+from nblaunch.display.summary import summary_html
 from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankStarted
 
 log = logging.getLogger(__name__)

@@ -24,12 +24,12 @@ from typing import Any, Callable
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
-from nblaunch.launch.planning import ports
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
-from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.homes import LocalHome, RanksHome, RankWatcher
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.logfiles import LogFiles, new_log_dir
+from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.launch.starting.payload import Payload
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 

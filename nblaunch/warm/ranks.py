@@ -24,13 +24,13 @@ from nblaunch.display import make_display
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
 from nblaunch.homes import choose_home
 from nblaunch.launch import ipython_errors
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.planning import pickling
 from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.homes import RanksHome
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
+from nblaunch.launch.starting import fdtable
+from nblaunch.launch.starting.payload import Payload
 from nblaunch.warm.calls import CallRouter, CallTimedOut
 from nblaunch.worker.calls import serve_calls
 

@@ -12,8 +12,8 @@ import types
 import pytest
 
 from nblaunch import RankFailedError, notebook_launcher
-from nblaunch.launch.supervising.supervisor import Supervisor
 from nblaunch.launch.starting.processes import Pipes, fork_process
+from nblaunch.launch.supervising.supervisor import Supervisor
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from nblaunch.training import DistributedType, PartialState
-from nblaunch.training.runtime import xla as xla_backend
 from nblaunch.training.model.placement import ReplacedParameters, move_keeping_ties
 from nblaunch.training.model.precision import check_supported
+from nblaunch.training.runtime import xla as xla_backend
 
 
 def in_threads(function, count=2):

@@ -8,8 +8,8 @@ from typing import Callable
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter, start_each_rank
-from nblaunch.preimport import import_for_ranks
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_process
+from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 
 # Building the first optimizer (or DDP) imports torch._dynamo: ~1 s of CPU in every process that

@@ -10,8 +10,8 @@ import cloudpickle
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter
-from nblaunch.preimport import import_for_ranks
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_process
+from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.xla import RankEnds, run_host
 
 

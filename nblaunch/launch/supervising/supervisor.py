@@ -39,11 +39,11 @@ from nblaunch.launch.errors import (
     failure_from_report,
     root_cause_first,
 )
-from nblaunch.launch.supervising.diagnosis import explain_peer_left
 from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.supervising.diagnosis import explain_peer_left
 from nblaunch.launch.supervising.quiet import QUIET_STACKS_S, QuietWatch
 from nblaunch.launch.supervising.watched import WatchedRank
-from nblaunch.launch.starting.processes import WorkerProcess
 
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling

@@ -7,8 +7,8 @@ from typing import Any
 
 from nblaunch import wire
 from nblaunch.launch.errors import RankFailure
-from nblaunch.launch.supervising.lines import LineSplitter
 from nblaunch.launch.starting.processes import RankPipes, WorkerProcess
+from nblaunch.launch.supervising.lines import LineSplitter
 
 LOG_TAIL = 20  # lines kept to explain a rank that died without a report
 

@@ -20,14 +20,14 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from nblaunch.training.options.kwargs import DataLoaderConfiguration, refuse_unsupported
 from nblaunch.training.data.batching import loader_kwargs, map_style_batching
-from nblaunch.training.data.prepared import PreparedDataLoader
 from nblaunch.training.data.dispatch import DataLoaderDispatcher, dispatch_data_loader
+from nblaunch.training.data.prepared import PreparedDataLoader
 from nblaunch.training.data.sharding import IterableDatasetShard, ShardedBatchSampler
 from nblaunch.training.data.shuffle import SeedableRandomSampler
-from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.options.kwargs import DataLoaderConfiguration, refuse_unsupported
 from nblaunch.training.runtime.state import PartialState
+from nblaunch.training.step.gradient_state import GradientState
 
 __all__ = ["prepare_data_loader", "build_prepared_loader", "shard_data_loader",
            "SeedableRandomSampler", "DataLoaderDispatcher"]

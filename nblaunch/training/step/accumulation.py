@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.model.gradient_sync import paused_gradient_sync, syncs_gradients
+from nblaunch.training.step.gradient_state import GradientState
 
 
 class Accumulate:
