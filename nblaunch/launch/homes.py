@@ -26,10 +26,18 @@ from nblaunch.launch.starting.fork import ForkStarter
 from nblaunch.launch.starting.payload import Payload, package
 from nblaunch.launch.starting.processes import WorkerProcess
 from nblaunch.launch.starting.spawn import SpawnStarter
-from nblaunch.launch.starting.xla_host import XlaHostStarter
 from nblaunch.launch.supervising.supervisor import Supervisor
 
-_STARTERS: dict[str, type[Starter]] = {"fork": ForkStarter, "spawn": SpawnStarter, "xla": XlaHostStarter}
+
+
+def starter_for(start_method: str) -> Starter:
+    """The :class:`Starter` a plan's ``start_method`` names."""
+    if start_method == "xla":
+        # Deferred: TPU hosts only; it loads the XLA host's worker code, which no other launch needs.
+        from nblaunch.launch.starting.xla_host import XlaHostStarter
+
+        return XlaHostStarter()
+    return SpawnStarter() if start_method == "spawn" else ForkStarter()
 
 
 class RankWatcher(Protocol):
@@ -78,7 +86,7 @@ class LocalHome:
         # thread must never do, and may fail before anything is open or shown. Every process
         # of the launch inherits the tag, whatever session it makes for itself.
         self._launch_id = launch_id
-        self._starter = _STARTERS[plan.start_method]()
+        self._starter = starter_for(plan.start_method)
         self._inherited = dict(self._starter.environ_for_ranks(plan), **{proctree.LAUNCH_ID_VARIABLE: launch_id})
         for message in registry.stop_stale_ranks():
             print(f"nblaunch: {message}", file=sys.stderr)
