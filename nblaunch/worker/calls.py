@@ -9,7 +9,8 @@ its output (so every line of a call is in the pipe before its result), and sends
 not caught here: the rank fails the way a launch's rank fails, and the launcher stops them all.
 ``CLOSE`` ends the loop; the rank then leaves like any finished rank.
 
-Every call starts with a clean training state: the process group stays, user objects stay
+The ranks form their process group before the first call (``pool_group``). Every call starts
+with a clean training state: the process group stays, user objects stay
 (in the namespace of :func:`run_code` and in whatever the functions keep), but an interrupted
 loop's bookkeeping (the active DataLoader, accumulation counters) does not carry over.
 
@@ -28,6 +29,7 @@ from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.worker import channel, payload
+from nblaunch.worker.pool_group import form_pool_group
 from nblaunch.worker.streams import flush_streams
 
 _inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,7 +52,9 @@ def deliver(kind: bytes, body: bytes, shared: tuple[dict[int, int], list] | None
 
 
 def serve_calls() -> None:
-    """The function a warm rank runs: calls, one at a time, until CLOSE."""
+    """The function a warm rank runs: it joins the pool's process group, then serves calls, one
+    at a time, until CLOSE."""
+    form_pool_group()
     while True:
         kind, body, shared = _inbox.get()
         if kind == wire.CLOSE:

@@ -58,6 +58,24 @@ def notebook(tmp_path_factory):
     return nb.cells, pids, alive_before, gone
 
 
+GROUP_CELLS = [
+    "%load_ext nblaunch",
+    "%%distributed -n 2\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
+    "dist.all_reduce(t)\n(dist.get_rank(), t.item())",
+    "%%distributed\nfrom nblaunch import Accelerator\naccelerator = Accelerator()\n"
+    "(accelerator.num_processes, accelerator.state.adopted_process_group)",
+    "%distributed stop",
+]
+
+
+def test_the_first_cell_has_a_process_group_and_an_accelerator_adopts_it(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in GROUP_CELLS])
+    NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert "[(0, 3.0), (1, 3.0)]" in everything_shown(nb.cells[1]), everything_shown(nb.cells[1])
+    assert "[(2, True), (2, True)]" in everything_shown(nb.cells[2]), everything_shown(nb.cells[2])
+
+
 def test_the_last_expression_comes_back_per_rank(notebook):
     cells, *_ = notebook
     assert "[0, 1]" in everything_shown(cells[1])

@@ -219,3 +219,26 @@ def test_a_rank_killed_between_calls_is_reported_by_the_next_call(ranks, capfd):
     assert "ended while no call ran" in capfd.readouterr().err
     assert set(ranks.run(pid)).isdisjoint(pids)
     assert "starting 2 fresh ones" in capfd.readouterr().err
+
+
+def group_as_seen() -> tuple:
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def accelerator_as_seen() -> tuple:
+    from nblaunch import Accelerator
+
+    accelerator = Accelerator()
+    return accelerator.num_processes, accelerator.process_index, accelerator.state.adopted_process_group
+
+
+def asks_for(backend: str) -> None:
+    dist.init_process_group(backend)
+
+
+def test_the_ranks_are_a_process_group_from_the_first_call(ranks):
+    assert ranks.run(group_as_seen) == [(0, 2, "gloo"), (1, 2, "gloo")]  # nobody called init_process_group
+    ranks.run(asks_for, "gloo")  # code written for a launch: the pool's group answers it
+    assert ranks.run(accelerator_as_seen) == [(2, 0, True), (2, 1, True)]  # adopted, not made again
+    with pytest.raises(RankFailedError, match="already form a process group"):
+        ranks.run(asks_for, "nccl")
