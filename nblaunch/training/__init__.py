@@ -11,13 +11,6 @@ Example::
         ...
 """
 
-from nblaunch.preimport import import_for_ranks
-
-# The first optimizer (or DDP) a process builds imports torch._dynamo: about a second of CPU. Done
-# here, it costs that second once, in the cell that imports the Accelerator; forked ranks inherit
-# it, and a kernel's first launch reaches its first training step in milliseconds.
-import_for_ranks("torch._dynamo")
-
 from nblaunch.training.accelerator.core import Accelerator
 from nblaunch.training.data.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
 from nblaunch.training.data.prepared import skip_first_batches

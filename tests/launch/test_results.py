@@ -110,9 +110,10 @@ def test_closures_work_under_spawn():
 
 
 FRESH_KERNEL = """
-import os
+import os, sys
 import nblaunch.training  # the launch will train: the launcher pre-imports torch._dynamo for its ranks
 from nblaunch import notebook_launcher
+print("imported at import", "torch._dynamo" in sys.modules)  # a second of CPU: not for an import
 
 def rank_sees():
     import torch._dynamo  # already there, inherited through fork
@@ -120,7 +121,7 @@ def rank_sees():
 
 before = dict(os.environ)
 seen = notebook_launcher(rank_sees, num_processes=2, display="none")
-print("unchanged", dict(os.environ) == before, "ranks got it", all(seen))
+print("unchanged", dict(os.environ) == before, "ranks got it", all(seen), "imported", "torch._dynamo" in sys.modules)
 """
 
 
@@ -129,4 +130,5 @@ def test_what_the_launcher_imports_for_its_ranks_does_not_change_the_kernels_env
     import sys
 
     done = subprocess.run([sys.executable, "-c", FRESH_KERNEL], capture_output=True, text=True, timeout=120)
-    assert "unchanged True ranks got it True" in done.stdout, done.stdout + done.stderr
+    assert "imported at import False" in done.stdout, done.stdout + done.stderr
+    assert "unchanged True ranks got it True imported True" in done.stdout, done.stdout + done.stderr
