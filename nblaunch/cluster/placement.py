@@ -37,8 +37,9 @@ class NodeRequest:
                 + f" each ({self.ranks} rank{'s' if self.ranks != 1 else ''} per node, {each} per rank)")
 
 
-def connect() -> Any:
-    """The ``ray`` module, connected to a cluster (Ray's defaults if this process is not yet)."""
+def connect() -> tuple[Any, str]:
+    """The ``ray`` module, connected to a cluster (Ray's defaults if this process is not yet),
+    and which cluster that is, in words for the launch line."""
     try:
         import ray
     except ImportError:
@@ -46,7 +47,8 @@ def connect() -> Any:
             "cluster='ray' needs Ray in this environment: pip install 'nblaunch[ray]' (and nblaunch on every "
             "node of the cluster)"
         ) from None
-    if not ray.is_initialized():
+    connected_by_us = not ray.is_initialized()
+    if connected_by_us:
         try:
             ray.init()  # RAY_ADDRESS, or the cluster running on this machine, or a new local one
         except Exception as error:
@@ -54,7 +56,13 @@ def connect() -> Any:
                 f"could not connect to a Ray cluster ({type(error).__name__}: {error}). Start one (ray start "
                 "--head) or connect first: ray.init(address='auto' or 'ray://head:10001')"
             ) from None
-    return ray
+    address = ray.get_runtime_context().gcs_address
+    nodes = len(alive_nodes(ray))
+    which = f"the Ray cluster at {address} ({nodes} node{'s' if nodes != 1 else ''})"
+    if connected_by_us:
+        which += (", joined by nblaunch with ray.init() since this process was not connected: to choose, "
+                  "call ray.init(address=...) first")
+    return ray, which
 
 
 def alive_nodes(ray: Any) -> list[dict]:

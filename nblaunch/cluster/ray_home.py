@@ -53,7 +53,7 @@ def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
     port = port_number(r.use_port)  # checked for use on node 0, by its agent
     # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
     pickling.check_picklable(function, args)
-    ray = placement.connect()
+    ray, cluster = placement.connect()
     gpus = placement.gpus_per_node(ray, num_nodes)
     if num_processes is None:
         if not gpus:
@@ -69,8 +69,8 @@ def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
         function_name=r.function_name,
         num_processes=num_processes, num_nodes=num_nodes, node_rank=0, master_addr="node 0",
         master_port=port or 0, start_method="ray",
-        start_reason=f"{plural(num_nodes, 'node')} placed together by a Ray placement group; each node's agent "
-                     "starts its ranks as a launch on one machine does",
+        start_reason=f"{plural(num_nodes, 'node')} of {cluster}, placed together by a Ray placement group; each "
+                     "node's agent starts its ranks as a launch on one machine does",
         device_kind="cuda" if gpus else "cpu", threads=None, mixed_precision=mixed_precision, force_cpu=False,
         port_pinned=port is not None,
     )

@@ -4,6 +4,7 @@ that a launch leaves nothing of itself in Ray."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -18,7 +19,9 @@ def ray_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    # Pinned to this cluster and a namespace of its own: another Ray cluster on the machine (another
+    # user's, another run of the suite) is never joined.
+    ray.init(address=cluster.address, namespace=f"nblaunch-tests-{os.getpid()}", log_to_driver=False)
     try:
         yield cluster
     finally:

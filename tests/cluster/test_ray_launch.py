@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nblaunch import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError, RankFailedError, notebook_launcher
-from nblaunch.events import RankFinished, RankState, Stacks
+from nblaunch.events import LaunchStarted, RankFinished, RankState, Stacks
 
 pytestmark = pytest.mark.usefixtures("nothing_left_in_ray")
 
@@ -51,6 +51,18 @@ def chatty():
     sys.stdout.flush()
     os.write(1, f"C-level from rank {rank}\n".encode())
     return rank
+
+
+def test_a_process_not_connected_to_ray_is_told_which_cluster_nblaunch_joined(ray_cluster, recorder, monkeypatch):
+    import ray
+
+    ray.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # pinned: never "the latest cluster on the machine"
+    assert [r[0] for r in notebook_launcher(where_am_i, args=(1,), display=recorder, **RAY)] == [0, 1, 2, 3]
+    assert ray.is_initialized()
+    reason = recorder.of(LaunchStarted)[0].start_reason
+    assert f"the Ray cluster at {ray_cluster.address} (2 nodes)" in reason, reason
+    assert "joined by nblaunch with ray.init()" in reason, reason
 
 
 def test_every_line_of_every_rank_arrives_tagged_with_its_rank(recorder):
