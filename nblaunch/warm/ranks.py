@@ -31,6 +31,7 @@ from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.supervising.interrupts import interrupts_wait
 from nblaunch.warm.calls import CallRouter, CallTimedOut
 from nblaunch.worker.calls import serve_calls
 
@@ -183,9 +184,10 @@ class WarmRanks:
             for event in call.events(None):
                 shown.on_event(event)
         except KeyboardInterrupt:
-            launch.cancel(LaunchInterrupted("every rank was stopped; where each one was is shown above"))
-            for event in call.events(None):
-                shown.on_event(event)
+            with interrupts_wait():  # Ctrl-C twice must not cut the stop's report short
+                launch.cancel(LaunchInterrupted("every rank was stopped; where each one was is shown above"))
+                for event in call.events(None):
+                    shown.on_event(event)
 
     def _ensure_started(self) -> tuple[Launch, CallRouter]:
         if self.alive:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from nblaunch import notebook_launcher, proctree
+from nblaunch import LaunchInterrupted, notebook_launcher, proctree
+from nblaunch.events import RankFinished, RankState, Stacks
 from nblaunch.launch import registry
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -59,6 +60,50 @@ def test_an_interrupt_of_the_whole_process_group_shows_stacks_then_stops_every_r
     assert gone(pids, within=5)
 
 
+def block_until_stopped():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print("ready", flush=True)
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=1)
+    time.sleep(600)
+
+
+class InterruptTwice:
+    """A display that interrupts this process once every rank is ready, and again as the first
+    stack comes in: while the launch is stopping on the first interrupt (Ctrl-C twice)."""
+
+    def __init__(self, recorder):
+        self.recorder, self.ready, self.again = recorder, set(), False
+
+    def on_event(self, event):
+        self.recorder.on_event(event)
+        if getattr(event, "lines", None) and "ready" in event.lines:
+            self.ready.add(event.rank)
+            if len(self.ready) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+        if isinstance(event, Stacks) and not self.again:
+            self.again = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def close(self):
+        pass
+
+
+def test_an_interrupt_while_stopping_on_one_does_not_cut_the_report_short(recorder):
+    raised = None
+    try:
+        notebook_launcher(block_until_stopped, num_processes=2, display=InterruptTwice(recorder), timeout=120)
+    except KeyboardInterrupt as error:  # caught here: a bare one would end the whole test session
+        raised = error
+    assert isinstance(raised, LaunchInterrupted), f"{raised!r} escaped: the second interrupt cut the stop short"
+    assert sorted(e.rank for e in recorder.of(Stacks)) == [0, 1]  # every rank's stack, not the first alone
+    assert sorted(e.rank for e in recorder.of(RankFinished)) == [0, 1]
+    assert {e.state for e in recorder.of(RankFinished)} == {RankState.STOPPED}
+
+
 def test_ranks_die_with_a_killed_launcher_even_inside_a_cpp_collective():
     proc, pids = start_blocked_ranks()
     killed_at = time.monotonic()
@@ -91,7 +136,8 @@ def test_a_launch_stops_ranks_an_earlier_kernel_left_behind(capfd):
 STARTS_A_SERVER = """
 import os, subprocess, sys
 import torch.distributed as dist
-from nblaunch import notebook_launcher, proctree
+from nblaunch import LaunchInterrupted, notebook_launcher, proctree
+from nblaunch.events import RankFinished, RankState, Stacks
 
 def train(folder):
     server = subprocess.Popen(["sleep", "600"])  # e.g. a TensorBoard the training started
@@ -132,7 +178,8 @@ def test_a_live_launch_of_another_process_is_left_alone():
 
 MAIN_ON_STDIN = """
 import os
-from nblaunch import notebook_launcher, proctree
+from nblaunch import LaunchInterrupted, notebook_launcher, proctree
+from nblaunch.events import RankFinished, RankState, Stacks
 
 offset = 1000
 

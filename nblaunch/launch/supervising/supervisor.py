@@ -18,30 +18,14 @@ import time
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.events import (
-    CallFinished,
-    Event,
-    Metrics,
-    Output,
-    Progress,
-    RankFinished,
-    RankStarted,
-    RankState,
-    Stacks,
-)
-from nblaunch.launch.errors import (
-    LaunchCancelledError,
-    LaunchInterrupted,
-    LaunchTimeoutError,
-    RankFailedError,
-    RankFailure,
-    failure_from_exit,
-    failure_from_report,
-    root_cause_first,
-)
+from nblaunch.events import (CallFinished, Event, Metrics, Output, Progress, RankFinished,
+                             RankStarted, RankState, Stacks)
+from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
+                                    RankFailure, failure_from_exit, failure_from_report, root_cause_first)
 from nblaunch.launch.starting.payload import Payload
 from nblaunch.launch.starting.processes import WorkerProcess
 from nblaunch.launch.supervising.diagnosis import explain_peer_left
+from nblaunch.launch.supervising.interrupts import interrupts_wait
 from nblaunch.launch.supervising.quiet import QUIET_STACKS_S, QuietWatch
 from nblaunch.launch.supervising.watched import WatchedRank
 
@@ -56,7 +40,7 @@ _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arriv
 _COALESCE_BELOW = 64 * 1024
 _DRAIN_MAX_READS = 64  # after a rank's exit, what its pipes held: at most 64 MiB each
 
-_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"  # as in WatchedRank
+_FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"  # see WatchedRank
 
 
 class Supervisor:
@@ -125,9 +109,11 @@ class Supervisor:
                     error = self._cancel_as or LaunchCancelledError("the launch was cancelled; every rank was stopped")
                     raise LaunchTimeoutError(error.timeout, dict(self._stacks)) if isinstance(error, LaunchTimeoutError) else error
         except KeyboardInterrupt:
-            if not self._stopping:
-                self._stopping_on_request = True
-                self._stop(_STACKS_ON_STOP_S, fallback=True)
+            with interrupts_wait():  # Ctrl-C twice must not cut the stop short
+                if not self._stopping:
+                    self._stopping_on_request = True
+                    self._stop(_STACKS_ON_STOP_S, fallback=True)
+                self._teardown()
             raise LaunchInterrupted("every rank was stopped; where each one was is shown above") from None
         finally:
             self._teardown()
@@ -368,7 +354,9 @@ class Supervisor:
             self._pump(left)
 
     def _teardown(self) -> None:
-        """Kill and reap every rank, close every pipe. Runs on every path out of ``run``."""
+        """Kill and reap every rank, close every pipe, once, on every path out of ``run``."""
+        if self._wake_read == -1:  # done already (an interrupt's stop tears down before raising)
+            return
         for process in self._live_processes():
             process.kill()
         end = time.monotonic() + _REAP_BACKSTOP_S
