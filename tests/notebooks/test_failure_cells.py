@@ -80,3 +80,31 @@ def test_one_chain_the_ranks_frames_then_the_headline(request, which):
     assert len(hops) == 2, shown
     assert "raise ValueError" in hops[0] and hops[0].rstrip().endswith("ValueError: bad value 3"), shown
     assert hops[1].lstrip().startswith("RankFailedError"), shown
+
+
+WAIT_IN_COLLECTIVES = '''\
+import torch
+import torch.distributed as dist
+from nblaunch import notebook_launcher
+
+def wait_in_collectives():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=1)
+    else:
+        dist.barrier()
+'''
+
+
+@pytest.mark.parametrize("display", ["text", "widget"])
+def test_a_timeout_while_ranks_wait_in_collectives_shows_every_ranks_stack(tmp_path, display):
+    cells = run_cells(tmp_path, WAIT_IN_COLLECTIVES,
+                      f"notebook_launcher(wait_in_collectives, num_processes=2, timeout=3, display={display!r})")
+    shown = everything_shown(cells[1])
+    assert "LaunchTimeoutError" in shown, shown
+    if display == "text":  # one line per rank: where it was (the whole stack is in its log)
+        assert "[rank 0] stopped at Cell In[1], line 8, in wait_in_collectives: dist.recv(" in shown, shown
+        assert "[rank 1] stopped at Cell In[1], line 10, in wait_in_collectives: dist.barrier()" in shown, shown
+    else:  # the summary the saved notebook keeps: each rank's stack, folded, the place in the label
+        assert "rank 0: where it was stopped · Cell In[1], line 8, in wait_in_collectives" in shown, shown
+        assert "rank 1: where it was stopped · Cell In[1], line 10, in wait_in_collectives" in shown, shown
