@@ -10,6 +10,9 @@ Every launch runs 4 ranks (2 per node) that import torch, form a gloo group and 
   joins the group (node 0's address and a free port) and all_reduces; actors killed and the
   group removed after.
 - Ray Train: ``TorchTrainer(...).fit()`` with 4 CPU workers (when ``ray[train]`` is installed).
+- The floor under any launch on Ray: a placement group and one actor per node, started, asked
+  one question and removed; then the same with each actor importing torch (nblaunch's agents
+  import it once so their ranks inherit it).
 
 Failure: rank 3 (on node 1) raises while the others wait in an all_reduce; from the raise to the
 call raising, and which rank the error names first. After every launch Ray's state API is asked
@@ -88,6 +91,31 @@ def _raw_ray_launch() -> list[float]:
         remove_placement_group(group)
 
 
+def _ray_floor(import_torch: bool) -> None:
+    """The floor under any launch on Ray: a placement group, one actor per node started and asked
+    one question (importing torch there, or not), then everything removed. No rank, no group."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=2)
+    class Node:
+        def ready(self, with_torch):
+            if with_torch:
+                import torch  # noqa: F401
+            return os.getpid()
+
+    group = placement_group([{"CPU": 2}, {"CPU": 2}], strategy="STRICT_SPREAD")
+    actors = [Node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=n)).remote()
+              for n in range(2)]
+    try:
+        ray.get([a.ready.remote(import_torch) for a in actors])
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(group)
+
+
 def _ray_train_fit() -> None:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -153,11 +181,16 @@ def run(quick: bool = False, size: str | None = None) -> dict:
         nblaunch_launch = lambda: notebook_launcher(all_reduce_4, num_processes=2, num_nodes=2,  # noqa: E731
                                                     cluster="ray", display="none")
         samples = interleave(rounds, {"nblaunch": timed("nblaunch", nblaunch_launch),
-                                      "raw Ray": timed("raw Ray", _raw_ray_launch)})
+                                      "raw Ray": timed("raw Ray", _raw_ray_launch),
+                                      "floor": timed("floor", lambda: _ray_floor(False)),
+                                      "floor + torch": timed("floor + torch", lambda: _ray_floor(True))})
         for impl, errs in samples["_errors"].items():
             notes.append(f"{impl}: {len(errs)} failed: {errs[0]}")
         first = samples["nblaunch"]
-        launch_rows = [row("raw Ray", "the same by hand", "s", samples["raw Ray"])]
+        launch_rows = [row("raw Ray", "the same by hand", "s", samples["raw Ray"]),
+                       row("raw Ray", "the floor: a placement group, one actor per node started and removed", "s",
+                           samples["floor"]),
+                       row("raw Ray", "the floor, each node's actor importing torch", "s", samples["floor + torch"])]
         # What one node costs when it has the cores to itself: one node, 2 ranks (so 1 agent).
         one_node = [timed("nblaunch", lambda: notebook_launcher(all_reduce_4, num_processes=2, cluster="ray",
                                                                  display="none"))() for _ in range(rounds // 2)]
