@@ -98,8 +98,9 @@ class RayHome:
         return plan.world_size
 
     def describe(self, plan: LaunchPlan) -> dict[str, Any]:
-        return dict(num_processes=plan.world_size, meeting_point="node 0, once Ray has placed the ranks", devices=f"{plan.devices}, {plural(plan.num_processes, 'rank')} "
-                    f"on each of {plural(plan.num_nodes, 'Ray node')}")
+        return dict(num_processes=plan.world_size, meeting_point="node 0, once Ray has placed the ranks",
+                    devices=f"{plan.devices}, {plural(plan.num_processes, 'rank')} "
+                            f"on each of {plural(plan.num_nodes, 'Ray node')}")
 
     @contextlib.contextmanager
     def attempt(self, plan: LaunchPlan, function: Callable, args: tuple, emit: Callable[[Event], None],

@@ -169,9 +169,11 @@ class Launch:
             return f"{head}: {status} when shown; .status says now, .result() waits for the end>"
         return f"{head}: {status}>"
 
-    def reset_clock(self) -> None:
-        """Count the elapsed times shown from now on (a warm pool: from each call)."""
+    def reset_clock(self) -> float:
+        """Count the elapsed times shown from now on (a warm pool: from each call); returns that
+        moment (``time.monotonic()``)."""
         self._clock_start = time.monotonic()
+        return self._clock_start
 
     # ------------------------------------------------------------------ running it
     def start(self, *, stop_at_exit: bool = True) -> None:

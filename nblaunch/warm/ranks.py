@@ -146,8 +146,7 @@ class WarmRanks:
         call = router.begin(call_id, self._num_ranks)
         shown = make_display(display, self._num_ranks)  # on the cell's thread: shows in this cell
         try:
-            launch.reset_clock()
-            started = time.monotonic()
+            started = launch.reset_clock()
             start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
             if router.calls_before:  # the ranks were not started for this call: say what they are
                 start = dataclasses.replace(start, start_method="warm", start_reason=(

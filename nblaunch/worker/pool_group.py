@@ -35,11 +35,12 @@ def form_pool_group() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         backend = "nccl"  # no device_id: NCCL makes its communicators lazily
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
-    dist.init_process_group = _answered_by_the_pool(dist.init_process_group, backend)
+    dist.init_process_group = _answered_by_the_pool(dist, backend)
 
 
-def _answered_by_the_pool(init: Callable[..., Any], pool_backend: str) -> Callable[..., Any]:
-    import torch.distributed as dist
+def _answered_by_the_pool(dist: Any, pool_backend: str) -> Callable[..., Any]:
+    """``dist.init_process_group``, answered by the pool's group while it exists."""
+    init = dist.init_process_group
 
     @functools.wraps(init)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:

@@ -234,22 +234,20 @@ class PartialState:
         else:
             reset_process_state()
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """Run the block on the main process first, then on the others (e.g. a download)."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        return self._leader_first(self.is_main_process)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """Like :meth:`main_process_first`, per node."""
+        return self._leader_first(self.is_local_main_process)
 
     @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        """Like :meth:`main_process_first`, per node."""
-        if not self.is_local_main_process:
+    def _leader_first(self, leader: bool) -> Iterator[None]:
+        if not leader:
             self.wait_for_everyone()
         yield
-        if self.is_local_main_process:
+        if leader:
             self.wait_for_everyone()
 
     @contextlib.contextmanager
