@@ -181,6 +181,7 @@ def _watch_launcher(control: ControlSocket, event_fd: int) -> None:
         while True:
             for kind, body in control.next_frames():
                 if kind == wire.DUMP_STACKS:
+                    flush_streams()  # what it printed up to here comes before where it is
                     channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
                 elif kind == wire.SHARED:
                     shared = control.shared_memory(body)

@@ -20,6 +20,7 @@ import cloudpickle
 
 from nblaunch import frames, wire
 from nblaunch.worker import channel
+from nblaunch.worker.streams import flush_streams
 
 # Text in messages of errors that a rank gets because a peer died, not because of its own bug.
 _PEER_GONE = (
@@ -74,8 +75,10 @@ def send_failure(error: BaseException, reason: str | None = None, *, hint: str =
 
     Formatting a traceback reads source files (linecache) and pickling runs arbitrary code;
     either can stall (a disk under load was seen to). The first frame lets the launcher stop
-    the other ranks at once; it then waits a moment for the second.
+    the other ranks at once; it then waits a moment for the second. What the rank printed
+    goes out first: a rank stopped while formatting its traceback still leaves its last lines.
     """
+    flush_streams()
     report: dict[str, Any] = {
         "type": f"{type(error).__module__}.{type(error).__qualname__}",
         "reason": reason or describe(error),

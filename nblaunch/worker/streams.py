@@ -1,5 +1,11 @@
 """A rank's output: fds 1/2 and ``sys.stdout``/``sys.stderr`` on the launcher's pipes.
 
+stdout is block-buffered, as Python buffers a script's stdout that goes to a file, and flushed
+every ``FLUSH_EVERY_S`` by a thread of its own: a write per line cost a chatty rank twice its
+printing (100k lines: 0.13 s against 0.05 s), while a line still reaches the cell within 50 ms.
+stderr stays line-buffered: tracebacks, warnings and logging are what a rank that dies must
+leave behind, and they are few.
+
 A forked child of a Jupyter kernel inherits the kernel's stream objects (they write into the
 kernel's sockets, where a child's output vanishes) and every ``logging`` handler that holds
 them. Everything here must tolerate what libraries put into ``logging``: a handler that cannot
@@ -9,11 +15,17 @@ be re-pointed is reported in the rank's log, never allowed to stop the rank.
 from __future__ import annotations
 
 import ctypes
+import _thread
 import functools
 import logging
 import os
 import sys
+import threading
+import time
 from typing import TextIO
+
+FLUSH_EVERY_S = 0.05
+_BUFFER_BYTES = 1 << 16
 
 
 def line_stream(fd: int) -> TextIO:
@@ -32,7 +44,8 @@ def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    new_out, new_err = line_stream(1), line_stream(2)
+    new_out, new_err = _buffered_stream(1), line_stream(2)
+    _keep_flushing(new_out)
     replacement = {
         id(sys.stdout): new_out, id(sys.__stdout__): new_out,
         id(sys.stderr): new_err, id(sys.__stderr__): new_err,
@@ -42,6 +55,45 @@ def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
     sys.stderr = sys.__stderr__ = new_err
     for problem in _repoint_logging_handlers(replacement):
         new_err.write(f"nblaunch: {problem}\n")
+
+
+def _buffered_stream(fd: int) -> TextIO:
+    return open(fd, "w", buffering=_BUFFER_BYTES, encoding="utf-8", errors="backslashreplace", closefd=False)
+
+
+# Held while the flusher writes and across any fork the rank makes: a child forked while the
+# flusher held the buffer's lock would find it held forever, and its first print would hang.
+_flushing = threading.Lock()
+
+
+def _keep_flushing(stream: TextIO) -> None:
+    """Flush ``stream`` every ``FLUSH_EVERY_S`` from a thread; make forks safe and unbuffered."""
+
+    def flush_forever() -> None:
+        while not stream.closed:
+            time.sleep(FLUSH_EVERY_S)
+            with _flushing:
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass  # the launcher is gone, or the stream was closed under us
+
+    def before_fork() -> None:
+        _flushing.acquire()
+        try:
+            stream.flush()  # else the child inherits the buffer and prints it a second time
+        except (OSError, ValueError):
+            pass
+
+    def in_child() -> None:
+        _flushing.release()
+        try:  # no flusher thread there: a DataLoader worker's prints go out a line at a time
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+    os.register_at_fork(before=before_fork, after_in_parent=_flushing.release, after_in_child=in_child)
+    _thread.start_new_thread(flush_forever, ())  # bare: see bootstrap.serve
 
 
 def _repoint_logging_handlers(replacement: dict[int, TextIO]) -> list[str]:
@@ -80,15 +132,16 @@ def _repoint_logging_handlers(replacement: dict[int, TextIO]) -> list[str]:
 def flush_streams() -> None:
     """Flush Python's streams and C's stdio buffers (printf from extensions: NCCL_DEBUG,
     OpenMP), which ``os._exit`` would otherwise throw away."""
-    for stream in (sys.stdout, sys.stderr):
+    with _flushing:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
         try:
-            stream.flush()
+            _libc().fflush(None)
         except Exception:
             pass
-    try:
-        _libc().fflush(None)
-    except Exception:
-        pass
 
 
 @functools.lru_cache(maxsize=None)

@@ -115,13 +115,17 @@ KILLED_LAUNCHER = textwrap.dedent("""
     from nblaunch import notebook_launcher
     def chatty():
         for i in range(40):
-            print(f"line {i}", flush=True)
-        time.sleep(600)
+            print(f"line {i}")  # no flush: the rank's stdout is buffered, flushed on a timer
+        i = 0
+        while True:  # still printing when the launcher dies
+            print(f"more {i}")
+            i += 1
+            time.sleep(0.001)
     notebook_launcher(chatty, num_processes=2, display="text")
 """)
 
 
-def test_a_launcher_killed_mid_launch_leaves_every_line_it_had_in_the_logs():
+def test_a_launcher_killed_mid_stream_leaves_every_line_it_had_in_the_logs():
     launcher = subprocess.Popen([sys.executable, "-c", KILLED_LAUNCHER], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     backstop = threading.Timer(120, launcher.kill)  # never wait on its output for ever
@@ -138,8 +142,9 @@ def test_a_launcher_killed_mid_launch_leaves_every_line_it_had_in_the_logs():
     backstop.cancel()
     assert seen == 80, "the launcher did not print every rank's lines"
     for rank in (0, 1):
-        text = open(os.path.join(log_dir, f"rank{rank}.log")).read()
-        assert [f"line {i}" for i in range(40)] == text.splitlines()[:40]
+        lines = open(os.path.join(log_dir, f"rank{rank}.log")).read().splitlines()
+        assert [f"line {i}" for i in range(40)] == lines[:40]
+        assert lines[40:] == [f"more {i}" for i in range(len(lines) - 40)], "a hole or a torn line"
 
 
 def rank_one_leaves_early():

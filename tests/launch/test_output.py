@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from nblaunch import notebook_launcher
-from nblaunch.events import LaunchStarted, Output
+from nblaunch.events import LaunchStarted, Output, RankFinished, RankState
+from nblaunch.launch.errors import RankFailedError
 
 
 def chatty():
@@ -88,3 +92,41 @@ def test_a_broken_display_is_turned_off_and_the_launch_goes_on(capfd):
     err = capfd.readouterr().err
     assert err.count("the display BrokenDisplay failed and was turned off") == 1
     assert "display bug" in err
+
+
+def forks_after_printing():
+    print("before the forks")  # still in the rank's buffer when it forks
+    pid = os.fork()
+    if pid == 0:
+        print("from a forked child")  # os._exit flushes nothing: the child's stdout is line-buffered
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = multiprocessing.get_context("fork").Process(target=print, args=("from a multiprocessing child",))
+    child.start()
+    child.join()
+    return child.exitcode
+
+
+def test_a_rank_that_forks_prints_each_line_once_and_its_children_are_heard(recorder):
+    assert notebook_launcher(forks_after_printing, num_processes=2, display=recorder) == [0, 0]
+    for rank in (0, 1):
+        out = recorder.lines(rank)
+        for line in ("before the forks", "from a forked child", "from a multiprocessing child"):
+            assert out.count(line) == 1, (line, out)
+
+
+def prints_then_fails():
+    print("the last words")
+    raise ValueError("broken")
+
+
+def test_what_a_failing_rank_printed_comes_before_its_failure(recorder):
+    with pytest.raises(RankFailedError):
+        notebook_launcher(prints_then_fails, num_processes=2, display=recorder)
+    events = recorder.of((Output, RankFinished))
+    failed_ranks = [e.rank for e in events if isinstance(e, RankFinished) and e.state == RankState.FAILED]
+    assert failed_ranks  # the other rank may have been stopped before it printed
+    for rank in failed_ranks:
+        said = next(i for i, e in enumerate(events) if isinstance(e, Output) and e.rank == rank and "the last words" in e.lines)
+        failed = next(i for i, e in enumerate(events) if isinstance(e, RankFinished) and e.rank == rank)
+        assert said < failed
