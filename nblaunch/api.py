@@ -5,8 +5,6 @@ The top of the house: it may use every other part (the launch, its homes, warm r
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Callable
 
 from nblaunch.events import Display
@@ -14,9 +12,8 @@ from nblaunch.homes import choose_home
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
+from nblaunch.launch.planning.plan import LaunchRequest
 from nblaunch.warm.ranks import WarmRanks
-from nblaunch.worker.inherited import restore_accelerate_state, save_accelerate_state
 
 
 def notebook_launcher(
@@ -38,6 +35,7 @@ def notebook_launcher(
     rdzv_backend: str = "static",
     ranks: "WarmRanks | None" = None,
     cluster: str | None = None,
+    cpu: bool = False,
 ) -> list[Any] | "Launch":
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
@@ -48,8 +46,11 @@ def notebook_launcher(
     Args:
         function: the training function; defined anywhere, a notebook cell included.
         args: positional arguments for it (a tuple).
-        num_processes: ranks on this machine; None means one per GPU (with at least two).
-        mixed_precision: "no", "fp16", "bf16" or "fp8", handed to every rank's Accelerator.
+        num_processes: ranks on this machine; None means one per GPU, or 2 CPU ranks where
+            there is no GPU (or with ``cpu=True``). One rank is a launch like any other: a
+            process of its own, the same dashboard, logs and errors.
+        mixed_precision: "no", "fp16", "bf16" or "fp8" (fp8: Accelerate's own Accelerator
+            with an fp8 backend, on GPUs), handed to every rank's Accelerator.
         use_port: the rendezvous port; None picks a free one.
         master_addr, node_rank, num_nodes: for several machines (each runs this same call).
         start_method: None (fork where safe, spawn where not), "fork" or "spawn".
@@ -70,6 +71,9 @@ def notebook_launcher(
             ``num_processes`` ranks each on the Ray cluster this process is connected to
             (``ray.init()``'s defaults if it is not): all nodes or none, node 0 hosting the
             rendezvous, every rank's output, progress and result in this cell as on one machine.
+        cpu: True runs every rank on the CPU with the GPUs hidden (as Accelerate's
+            ``cpu=True``): as many ranks as you like on a one-GPU machine, to try or debug
+            distributed code.
         monitor_interval, rdzv_backend: Accelerate's elastic-launch arguments, accepted for
             its callers; nblaunch watches its ranks without polling and knows every rank up
             front, so they change nothing ("static" or "c10d").
@@ -92,20 +96,17 @@ def notebook_launcher(
     __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
     if not isinstance(block, bool):
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
+    if not isinstance(cpu, bool):
+        raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
     if ranks is not None:
-        return _run_on_warm_ranks(ranks, function, args, num_processes, block, max_restarts, num_nodes, timeout, display)
+        _refuse_launch_options_on_warm_ranks(mixed_precision, use_port, master_addr, node_rank, start_method,
+                                             max_restarts, monitor_interval, rdzv_backend, cluster, cpu)
+        return _run_on_warm_ranks(ranks, function, args, num_processes, block, num_nodes, timeout, display)
     request = LaunchRequest(function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
-                            num_nodes, start_method, timeout, display, max_restarts=max_restarts,
+                            num_nodes, start_method, timeout, display, force_cpu=cpu, max_restarts=max_restarts,
                             monitor_interval=monitor_interval, rdzv_backend=rdzv_backend)
     plan, home = choose_home(request, cluster)
     ipython_errors.install()
-    # One rank runs here, except on XLA: the runtime would start in this process and break
-    # every later xmp.spawn (torch_xla's own nprocs=1 has that trap). A timeout needs a rank
-    # that can be stopped, a restart one that can be started again: then even one rank runs in
-    # a process of its own.
-    if (block and cluster is None and plan.num_processes == 1 and plan.num_nodes == 1
-            and plan.start_method != "xla" and timeout is None and not plan.max_restarts):
-        return [_run_in_this_process(plan, function, args)]
     launch = Launch(plan, function, args, timeout, display, home=home)
     if not block:
         launch.start()
@@ -118,16 +119,34 @@ def notebook_launcher(
         raise error.with_traceback(None)
 
 
+def _refuse_launch_options_on_warm_ranks(mixed_precision: Any, use_port: Any, master_addr: Any, node_rank: Any,
+                                         start_method: Any, max_restarts: Any, monitor_interval: Any,
+                                         rdzv_backend: Any, cluster: Any, cpu: Any) -> None:
+    """With ``ranks=``, how the ranks start was decided when the pool was made: an option that
+    would change it must not be dropped without a word."""
+    given = {"mixed_precision": (mixed_precision, "no"), "use_port": (use_port, None),
+             "master_addr": (master_addr, "127.0.0.1"), "node_rank": (node_rank, 0),
+             "start_method": (start_method, None), "max_restarts": (max_restarts, 0),
+             "monitor_interval": (monitor_interval, 0.1), "rdzv_backend": (rdzv_backend, "static"),
+             "cluster": (cluster, None), "cpu": (cpu, False)}
+    changed = [name for name, (value, default) in given.items() if value != default]
+    if changed:
+        raise LaunchConfigError(
+            f"{', '.join(changed)} cannot apply with ranks=: the warm ranks were started with their own settings. "
+            f"Pass {'it' if len(changed) == 1 else 'them'} to WarmRanks(...) when you make it, or launch without ranks=."
+        )
+
+
 def _run_on_warm_ranks(ranks: WarmRanks, function: Callable, args: tuple, num_processes: Any, block: bool,
-                       max_restarts: int, num_nodes: int, timeout: float | None, display: Any) -> list[Any]:
+                       num_nodes: int, timeout: float | None, display: Any) -> list[Any]:
     __tracebackhide__ = True
     if not isinstance(ranks, WarmRanks):
         raise LaunchConfigError(f"ranks must be a WarmRanks, got {type(ranks).__name__}")
     if num_processes is not None and num_processes != ranks.num_processes:
         raise LaunchConfigError(f"num_processes={num_processes!r}, but the warm ranks are {ranks.num_processes}: "
                                 "leave num_processes out, or make a WarmRanks of that size")
-    if not block or max_restarts or num_nodes != 1:
-        raise LaunchConfigError("block=False, max_restarts and num_nodes do not apply to warm ranks: "
+    if not block or num_nodes != 1:
+        raise LaunchConfigError("block=False and num_nodes do not apply to warm ranks: "
                                 "leave them out, or launch without ranks=")
     if not isinstance(args, tuple):
         raise LaunchConfigError(f"args must be a tuple, got {type(args).__name__}")
@@ -145,41 +164,3 @@ def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes
     """
     plan, home = choose_home(LaunchRequest(function, args, num_processes, force_cpu=True), cluster=None)
     return Launch(plan, function, args, None, "auto", home=home).run()
-
-
-def _run_in_this_process(plan: LaunchPlan, function: Callable, args: tuple) -> Any:
-    """One process: run here, with the rank variables set only for the call; the kernel's own
-    process state (an Accelerator made in a cell before, a process group) is as it was after."""
-    environ = plan.rank_environ(0)
-    saved = {name: os.environ.get(name) for name in environ}
-    dist = sys.modules.get("torch.distributed")
-    had_group = bool(dist is not None and dist.is_available() and dist.is_initialized())
-    kept = _training_state().save_process_state() if _training_loaded() else {}
-    accelerates = save_accelerate_state()
-    os.environ.update(environ)
-    try:
-        return function(*args)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        if _training_loaded():  # loaded before, or by the function
-            _training_state().restore_process_state(kept)
-        restore_accelerate_state(accelerates)
-        dist = sys.modules.get("torch.distributed")
-        if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # the function's own group must not outlive the call
-
-
-def _training_loaded() -> bool:
-    return "nblaunch.training" in sys.modules
-
-
-def _training_state() -> Any:
-    # Deferred: only once the training side is loaded; importing it for a launch that does not
-    # train would cost the kernel a second.
-    from nblaunch.training.runtime import state
-
-    return state

@@ -40,11 +40,11 @@ def test_one_epoch_trains_and_says_so():
     assert lines[-1] == "all 2 processes agree on the result"
 
 
-def test_one_process_shows_a_launch_line_and_no_agreement_claim():
+def test_one_process_is_a_launch_with_its_line_and_no_agreement_claim():
     done = run("demo", "--epochs", "1", "--num-processes", "1")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("nblaunch: train_digits on 1 process, this one")
-    assert "agree" not in done.stdout
+    assert done.stdout.startswith("nblaunch: train_digits on 1 process (CPU")
+    assert "nblaunch: rank 0 done in " in done.stdout and "agree" not in done.stdout
 
 
 def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
@@ -60,7 +60,7 @@ def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
     rest, _ = process.communicate(timeout=60)
     assert process.returncode == 130, rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
-    stopped = re.findall(r"^\[rank (\d)\] stopped at demo\.py, line \d+, in train_digits: .+ \(whole stack: (\S+)\)$",
+    stopped = re.findall(r"^\[rank (\d)\] stopped at demo\.py, line \d+, in \w+: .+ \(whole stack: (\S+)\)$",
                          rest, re.M)
     assert sorted(rank for rank, _ in stopped) == ["0", "1"], rest
     for _, log in stopped:  # the stacks went to the log
@@ -90,7 +90,7 @@ def test_help_is_plain_text_with_every_option_explained():
     assert top.stdout.startswith("usage: python -m nblaunch ")
     # Every option says what it does and its default.
     options = re.findall(r"^  (--[a-z-]+)", demo.stdout, re.M)
-    assert options == ["--num-processes", "--epochs", "--mixed-precision", "--start-method"]
+    assert options == ["--num-processes", "--cpu", "--epochs", "--mixed-precision", "--start-method"]
     assert " ".join(demo.stdout.split()).count("(default: ") == len(options)
 
 

@@ -11,15 +11,18 @@ from nblaunch.cli.args import at_least_one
 from nblaunch.cli.outcome import FAILED, launch_in_terminal
 
 _DESCRIPTION = ("Train a small CNN on scikit-learn's digits (shipped with scikit-learn: nothing is downloaded) "
-                "on several processes, on the CPU when there is no GPU. Needs the examples extra: "
+                "on one process per GPU, or on 2 CPU processes where there is no GPU (or with --cpu). Needs the examples extra: "
                 "pip install 'nblaunch[examples]'.")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="train a small CNN on scikit-learn's digits on several processes",
                                description=_DESCRIPTION)
-    demo.add_argument("--num-processes", type=at_least_one, default=2, metavar="N",
-                      help="processes to train on (default: 2)")
+    demo.add_argument("--num-processes", type=at_least_one, default=None, metavar="N",
+                      help="processes to train on (default: one per GPU, or 2 on the CPU where there is none)")
+    demo.add_argument("--cpu", action="store_true",
+                      help="train on the CPU even where there are GPUs, on as many processes as --num-processes asks "
+                           "(default: on the GPUs, where there are any)")
     demo.add_argument("--epochs", type=at_least_one, default=5, metavar="N",
                       help="passes over the training images (default: 5)")
     demo.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"],
@@ -37,11 +40,9 @@ def run(options: argparse.Namespace) -> int:
         return FAILED
     from nblaunch.demo import train_digits  # deferred: imports torch, which `nblaunch demo --help` needs not
 
-    if options.num_processes == 1:  # runs in this process: no launch line from the launcher
-        print("nblaunch: train_digits on 1 process, this one (nothing to start)")
     results, status = launch_in_terminal(
         "demo", train_digits, (options.epochs,), num_processes=options.num_processes,
-        mixed_precision=options.mixed_precision, start_method=options.start_method)
+        mixed_precision=options.mixed_precision, start_method=options.start_method, cpu=options.cpu)
     if results is None:
         return status
     first = results[0]

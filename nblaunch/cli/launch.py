@@ -16,7 +16,6 @@ import sys
 from nblaunch.cli.args import at_least_one, at_least_zero, processes, seconds
 from nblaunch.cli.outcome import USAGE, launch_in_terminal
 from nblaunch.cli.script import Script
-from nblaunch.launch.planning.devices import cuda_device_count
 
 _DESCRIPTION = """\
 Run a training script on several processes: each one runs it as __main__ with the same
@@ -76,7 +75,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = launch.add_argument
     add("--num-processes", "--num_processes", "--nproc-per-node", "--nproc_per_node", type=processes,
-        default=None, metavar="N", help="processes on this machine (default, or gpu/auto: one per GPU)")
+        default=None, metavar="N", help="processes on this machine (default, or gpu/auto: one per GPU, or 2 on the CPU where there is none)")
     add("--mixed-precision", "--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
         help="handed to every rank's Accelerator (default: no)")
     add("--num-nodes", "--num_machines", "--nnodes", type=at_least_one, default=1, metavar="K",
@@ -95,7 +94,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="after a failure, start every rank again, up to M times")
     add("--start-method", choices=["fork", "spawn"], default=None,
         help="how the processes start (default: fork where it is safe, else spawn)")
-    add("--cpu", action="store_true", help="train on the CPU even where there are GPUs")
+    add("--cpu", action="store_true", help="every process on the CPU, GPUs hidden: as many as you like on a one-GPU machine")
     add("--multi_gpu", "--multi-gpu", action="store_true",
         help="accepted for accelerate launch: one process per GPU is already the default")
     add("--standalone", action="store_true",
@@ -135,20 +134,12 @@ def run(options: argparse.Namespace) -> int:
     if problem:
         print(f"nblaunch launch: {problem}", file=sys.stderr)
         return USAGE
-    if options.cpu:  # before torch looks: the ranks then see no GPU either
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.environ["NBLAUNCH_FORCE_CPU"] = "1"
-    if options.num_processes is None and options.cluster is None:
-        if cuda_device_count() == 0:
-            print("nblaunch launch: this machine has no GPU, so there is no \"one process per GPU\": give "
-                  "--num-processes N (e.g. --num-processes 2 runs 2 CPU processes)", file=sys.stderr)
-            return USAGE
     _, status = launch_in_terminal(
         "launch", Script(options.script, options.script_args, options.module), (),
         num_processes=options.num_processes, mixed_precision=options.mixed_precision,
         num_nodes=options.num_nodes, node_rank=options.node_rank, master_addr=options.master_addr,
         use_port=options.port, cluster=options.cluster, timeout=options.timeout,
-        max_restarts=options.max_restarts, start_method=options.start_method)
+        max_restarts=options.max_restarts, start_method=options.start_method, cpu=options.cpu)
     return status
 
 

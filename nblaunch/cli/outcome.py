@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from nblaunch.api import notebook_launcher
 from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
-from nblaunch.worker.reports import format_traceback
 
 __all__ = ["launch_in_terminal", "FAILED", "USAGE", "TIMED_OUT", "INTERRUPTED"]
 
@@ -37,10 +36,7 @@ def launch_in_terminal(command: str, function: Callable, args: tuple, **options:
         return None, TIMED_OUT
     except RankFailedError as error:
         failure = error.root_cause
-        print(f"\nnblaunch {command}: rank {failure.rank} failed first; its traceback:\n"
+        first = " first" if len(error.failures) > 1 else ""
+        print(f"\nnblaunch {command}: rank {failure.rank} failed{first}; its traceback:\n"
               f"{(failure.traceback or failure.reason).rstrip()}", file=sys.stderr)
-        return None, FAILED
-    except Exception as error:  # one process runs in this one: its own exception, as python would show it
-        print(f"nblaunch {command}: the process failed; its traceback:\n{format_traceback(error).rstrip()}",
-              file=sys.stderr)
         return None, FAILED

@@ -26,8 +26,8 @@ from nblaunch.cluster.watcher import RayWatcher
 from nblaunch.events import Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
-from nblaunch.launch.planning.checks import check_basics, check_elastic_arguments, port_number, positive_int
-from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest, plural
+from nblaunch.launch.planning.checks import check_basics, check_elastic_arguments, check_fp8, port_number, positive_int
+from nblaunch.launch.planning.plan import CPU_RANKS_BY_DEFAULT, LaunchPlan, LaunchRequest, plural
 from nblaunch.launch.starting.payload import Payload
 
 _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
@@ -54,15 +54,11 @@ def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
     # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
     pickling.check_picklable(function, args)
     ray, cluster = placement.connect()
-    gpus = placement.gpus_per_node(ray, num_nodes)
+    gpus = 0 if r.force_cpu else placement.gpus_per_node(ray, num_nodes)
     if num_processes is None:
-        if not gpus:
-            raise LaunchConfigError(f"num_processes=None uses one rank per GPU, but fewer than {num_nodes} nodes of "
-                                    "the Ray cluster have a GPU. Pass num_processes=N: N ranks per node, one CPU each.")
-        num_processes = gpus
+        num_processes = gpus or CPU_RANKS_BY_DEFAULT
     num_processes = positive_int("num_processes", num_processes)
-    if mixed_precision == "fp8" and not gpus:
-        raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs on every node; use 'bf16' or 'no'")
+    check_fp8(mixed_precision, "cuda" if gpus else "cpu")
     request = NodeRequest(num_nodes=num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
     placement.check_fits(ray, request)
     plan = LaunchPlan(

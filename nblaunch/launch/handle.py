@@ -249,7 +249,7 @@ class Launch:
             self._emit(
                 LaunchFinished(
                     state=RankState.DONE, elapsed_s=elapsed, results=results,
-                    summary=f"all {self._home.rank_count(plan)} ranks done in {elapsed:.2f} s{restarted}",
+                    summary=f"{_all_ranks(self._home.rank_count(plan))} done in {elapsed:.2f} s{restarted}",
                 )
             )
             outcome = results
@@ -338,3 +338,8 @@ def _stop_unfinished_launches() -> None:
             launch.result(timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:
             pass
+
+
+def _all_ranks(count: int) -> str:
+    """``all 2 ranks``; ``rank 0`` for a launch of one."""
+    return "rank 0" if count == 1 else f"all {count} ranks"

@@ -44,6 +44,7 @@ def cell_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="%%distributed", add_help=False, exit_on_error=False)
     parser.add_argument("-n", "--num-processes", type=int, default=None)
     parser.add_argument("--spawn", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--nodes", type=int, default=None)
     parser.add_argument("--ray", action="store_true")
@@ -57,7 +58,7 @@ class DistributedMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.pool: WarmRanks | None = None
-        self._shape: tuple = ()  # (spawn, nodes, cluster) the pool was made with
+        self._shape: tuple = ()  # (spawn, nodes, cluster, cpu) the pool was made with
         self._defined_in_ranks: set[str] = set()  # names the ranks' cells assigned
         self._cells = 0
 
@@ -69,10 +70,11 @@ class DistributedMagics(Magics):
         try:
             options = cell_parser().parse_args(shlex.split(line))
         except (argparse.ArgumentError, SystemExit, ValueError) as error:
-            raise LaunchConfigError(f"%%distributed [-n N] [--spawn] [--timeout S] [--ray [--nodes K]]: {error}") from None
+            raise LaunchConfigError(f"%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--ray [--nodes K]]: {error}") from None
         filename = f"<distributed cell {self._cells + 1}>"
         compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
-        pool = self._pool_for(options.num_processes, (options.spawn, options.nodes or 1, "ray" if options.ray else None))
+        pool = self._pool_for(options.num_processes, (options.spawn, options.nodes or 1, "ray" if options.ray else None,
+                                                        options.cpu))
         self._cells += 1
         sent = self._names_to_send(cell)
         results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
@@ -87,9 +89,9 @@ class DistributedMagics(Magics):
             pool.close()
             pool = None
         if pool is None:
-            spawn, nodes, cluster = shape
+            spawn, nodes, cluster, cpu = shape
             pool = self.pool = WarmRanks(num_processes=wanted, start_method="spawn" if spawn else None,
-                                         num_nodes=nodes, cluster=cluster)
+                                         num_nodes=nodes, cluster=cluster, cpu=cpu)
             self._shape = shape
             self._defined_in_ranks = set()
         elif not pool.alive:

@@ -42,7 +42,7 @@ class WarmRanks:
     """Ranks that stay up between calls, keeping their process group and what they hold.
 
     Args:
-        num_processes, mixed_precision, use_port, start_method: as for ``notebook_launcher``.
+        num_processes, mixed_precision, use_port, start_method, cpu: as for ``notebook_launcher``.
         num_nodes, cluster: ``cluster="ray"`` keeps ``num_nodes`` nodes of ``num_processes``
             ranks each up on the Ray cluster (as ``notebook_launcher(..., cluster="ray")``
             places them); calls then take a few Ray round trips instead of a launch.
@@ -59,9 +59,12 @@ class WarmRanks:
 
     def __init__(self, num_processes: int | None = None, mixed_precision: str = "no", *,
                  use_port: int | str | None = None, start_method: str | None = None,
-                 display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None) -> None:
+                 display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None,
+                 cpu: bool = False) -> None:
+        if not isinstance(cpu, bool):
+            raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
         self._options = dict(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
-                             start_method=start_method, num_nodes=num_nodes, cluster=cluster)
+                             start_method=start_method, num_nodes=num_nodes, cluster=cluster, cpu=cpu)
         self._display = display
         self._home: RanksHome
         self._plan = self._make_plan()  # bad input is refused here, before anything starts
@@ -228,7 +231,8 @@ class WarmRanks:
             raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray', "
                                     f"or leave num_nodes out (got num_nodes={o['num_nodes']!r})")
         request = LaunchRequest(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"],
-                                num_nodes=o["num_nodes"], start_method=o["start_method"], display="none")
+                                num_nodes=o["num_nodes"], start_method=o["start_method"], display="none",
+                                force_cpu=o["cpu"])
         plan, self._home = choose_home(request, o["cluster"])
         return plan
 

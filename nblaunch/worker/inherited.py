@@ -28,17 +28,3 @@ def forget_accelerate_state() -> None:
     """Empty Accelerate's shared ("Borg") state dicts, if Accelerate is loaded at all."""
     for shared in _shared_states():
         shared.clear()
-
-
-def save_accelerate_state() -> list[tuple[dict, dict]]:
-    """What Accelerate's state holds now, for ``restore_accelerate_state``."""
-    return [(shared, dict(shared)) for shared in _shared_states()]
-
-
-def restore_accelerate_state(saved: list[tuple[dict, dict]]) -> None:
-    """Put back what ``save_accelerate_state`` saw (Accelerate may have been imported since:
-    its state is then emptied)."""
-    for shared in _shared_states():
-        shared.clear()
-    for shared, contents in saved:
-        shared.update(contents)

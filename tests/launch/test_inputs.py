@@ -40,8 +40,8 @@ def children() -> list[psutil.Process]:
         ({"num_processes": 2, "display": object()}, "or an object with on_event"),
         ({"num_processes": 2, "display": "fancy"}, "display must be one of"),
         ({"num_processes": 2, "args": [1]}, "args must be a tuple"),
+        ({"num_processes": 2, "cpu": "yes"}, "cpu must be True or False"),
         ({"num_processes": 2, "num_nodes": 2, "node_rank": 1}, None),  # checked below: port needed
-        ({"num_processes": None}, "Pass num_processes=N"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(kwargs, message):

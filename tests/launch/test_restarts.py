@@ -54,8 +54,7 @@ def test_restarts_are_written_in_every_rank_log(tmp_path):
         assert "every rank starts again: restart 1 of 1" in launch.logs(rank)
 
 
-def test_one_process_with_restarts_runs_in_a_process_that_can_start_again(tmp_path):
-    # (One process otherwise runs in this process, where a failure could not be restarted.)
+def test_one_process_with_restarts_starts_again(tmp_path):
     assert notebook_launcher(_fails_until, args=(1, str(tmp_path), "0"), num_processes=1, max_restarts=1,
                              display="none") == [1]
 

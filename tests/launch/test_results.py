@@ -81,14 +81,15 @@ def test_twenty_launches_in_a_row_in_one_process():
         assert notebook_launcher(report_rank, args=(i,), num_processes=2, display="none")[1]["scaled"] == i
 
 
-def in_process(value):
+def one_rank(value):
     assert os.environ["WORLD_SIZE"] == "1"
     dist.init_process_group("gloo")
-    return value * 2
+    return value * 2, os.getpid()
 
 
-def test_one_process_runs_here_and_leaves_no_state_behind():
-    assert notebook_launcher(in_process, args=(21,), num_processes=1) == [42]
+def test_one_process_runs_in_a_rank_of_its_own_and_leaves_no_state_here():
+    [(value, pid)] = notebook_launcher(one_rank, args=(21,), num_processes=1)
+    assert value == 42 and pid != os.getpid()
     assert not dist.is_initialized()
     assert notebook_launcher(report_rank, args=(1,), num_processes=2, display="none")[1]["sum"] == 3.0
 

@@ -26,7 +26,7 @@ def test_accelerator_in_notebook_then_two_process_launch(launch):
     here = Accelerator(mixed_precision="bf16")  # made in the "notebook" process
     assert here.num_processes == 1
     assert launch(_report) == [(2, "MULTI_CPU", "DistributedDataParallel")] * 2
-    assert launch(_report, num_processes=1) == [(1, "NO", "Linear")]  # in-process path
+    assert launch(_report, num_processes=1) == [(1, "NO", "Linear")]  # one rank
     assert launch(_report) == [(2, "MULTI_CPU", "DistributedDataParallel")] * 2
     assert Accelerator().num_processes == 1 and not dist.is_initialized()
 
@@ -111,7 +111,7 @@ def _remakes_the_state():
     return Accelerator(cpu=True).device.type
 
 
-def test_a_one_process_launch_in_the_kernel_leaves_the_kernels_state_as_it_was():
+def test_a_one_process_launch_leaves_the_kernels_state_as_it_was():
     from nblaunch import notebook_launcher
 
     Accelerator(mixed_precision="bf16")  # made in the "notebook" process

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import operator
@@ -123,6 +124,25 @@ def check_basics(function: Any, args: Any, mixed_precision: Any, timeout: Any, d
         )
     check_call(function, args)
     return mixed_precision.lower()
+
+
+_FP8_BACKENDS = ("transformer_engine", "torchao", "msamp")  # what Accelerate's fp8 runs on
+
+
+def check_fp8(mixed_precision: str, device_kind: str) -> None:
+    """Refuse fp8 where no rank could run it: nblaunch's own Accelerator has no fp8, and
+    Accelerate's needs CUDA GPUs and one of its fp8 backends installed."""
+    if mixed_precision != "fp8":
+        return
+    if device_kind != "cuda":
+        raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs (Ada or Hopper and later); "
+                                "on this machine use 'bf16' or 'no'")
+    if not any(importlib.util.find_spec(name) for name in _FP8_BACKENDS):
+        raise LaunchConfigError(
+            "mixed_precision='fp8' runs only with Hugging Face Accelerate's own Accelerator and one of its fp8 "
+            f"backends ({', '.join(_FP8_BACKENDS)}), and none is installed here; nblaunch's Accelerator does "
+            "not do fp8. Use mixed_precision='bf16', or install an fp8 backend and use accelerate.Accelerator."
+        )
 
 
 def check_restarts(value: Any, num_nodes: int) -> int:

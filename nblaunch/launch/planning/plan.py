@@ -19,17 +19,18 @@ from typing import Any, Callable
 
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import devices, ports, xla
-from nblaunch.launch.planning.checks import (check_basics, check_elastic_arguments, check_open_files,
+from nblaunch.launch.planning.checks import (check_basics, check_elastic_arguments, check_fp8, check_open_files,
                                              check_restarts, port_number, positive_int)
 from nblaunch.launch.planning.threads import threads_per_worker
 
 START_METHODS = ("fork", "spawn", "xla")
+CPU_RANKS_BY_DEFAULT = 2  # num_processes=None on a machine without GPUs: a real group, on any laptop
 
 
 @dataclass(frozen=True)
 class LaunchRequest:
     """What the caller asked for, as given (``notebook_launcher``'s arguments, unchecked):
-    ``make_plan`` checks it. ``force_cpu`` hides the GPUs (``debug_launcher``)."""
+    ``make_plan`` checks it. ``force_cpu`` hides the GPUs (``cpu=True``, ``debug_launcher``)."""
 
     function: Callable
     args: Any = ()
@@ -121,9 +122,9 @@ class LaunchPlan:
         return env
 
 
-def plural(count: int, noun: str) -> str:
-    """``1 thread``, ``2 threads``."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 thread``, ``2 threads``; ``plural(1, "GPU is", "GPUs are")``: ``1 GPU is``."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
 
 
 def start_method_for(requested: str | None, force_cpu: bool) -> tuple[str, str]:
@@ -175,22 +176,16 @@ def make_plan(request: LaunchRequest) -> LaunchPlan:
         return _xla_plan(r.function_name, num_processes, mixed_precision, master_addr, start_method, port)
     gpus = 0 if force_cpu else devices.cuda_device_count()
     if num_processes is None:
-        if gpus < 2:
-            found = "1 GPU" if gpus == 1 else "no GPU"
-            raise LaunchConfigError(
-                f"num_processes=None uses one process per accelerator, but this machine has {found}. "
-                "Pass num_processes=N: e.g. num_processes=2 runs 2 CPU processes."
-            )
-        num_processes = gpus
+        num_processes = gpus or CPU_RANKS_BY_DEFAULT
     num_processes = positive_int("num_processes", num_processes)
     device_kind = "cuda" if gpus else "cpu"
     if device_kind == "cuda" and num_processes > gpus:
         raise LaunchConfigError(
-            f"num_processes={num_processes} but only {gpus} GPU(s) are visible: pass num_processes<={gpus}, "
-            "or use debug_launcher to run more processes on the CPU."
+            f"num_processes={num_processes}, but {plural(gpus, 'GPU is', 'GPUs are')} visible and a GPU rank "
+            f"needs a GPU of its own: pass num_processes={gpus} (or leave it out), or cpu=True to run "
+            f"{num_processes} ranks on the CPU (to try or debug distributed code)."
         )
-    if mixed_precision == "fp8" and device_kind != "cuda":
-        raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs; on the CPU use 'bf16' or 'no'")
+    check_fp8(mixed_precision, device_kind)
     check_open_files(num_processes)
     method, reason = start_method_for(start_method, force_cpu)
     master_port = ports.choose_port(master_addr, port, hosted_here=node_rank == 0)

@@ -40,8 +40,8 @@ from nblaunch.training.runtime.environment import (DistributedType, debug_mode, 
                                                    uses_xla)
 from nblaunch.training.runtime.splitting import split_inputs
 
-__all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state", "save_process_state",
-           "restore_process_state"]
+__all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state"]
+
 
 class _ThreadState(threading.local):
     """The calling thread's state dict, for XLA, where each device thread is its own rank."""
@@ -322,8 +322,7 @@ def reset_process_state() -> None:
     process group if nblaunch made it.
 
     A group that was adopted (created by someone else) is left alone. Safe to call at any time,
-    also when nothing was ever initialised. The launcher calls it for in-process launches; tests
-    call it between cases.
+    also when nothing was ever initialised. Tests call it between cases.
     """
     s = PartialState._shared_state
     if (s.get("_owns_group") and s.get("_key", (None,))[0] == os.getpid()
@@ -333,22 +332,3 @@ def reset_process_state() -> None:
     s.clear()
     if _thread_state.shared is not None:
         _thread_state.shared.clear()
-
-
-def save_process_state() -> dict[str, Any]:
-    """A copy of this process's state, for :func:`restore_process_state`.
-
-    Example (what an in-process launch does around the user's function)::
-
-        saved = save_process_state()
-        function()                      # may build (and leave) a state of its own
-        restore_process_state(saved)    # the kernel's Accelerator sees its own state again
-    """
-    return dict(PartialState._shared_state)
-
-
-def restore_process_state(saved: dict[str, Any]) -> None:
-    """Forget the state built since :func:`save_process_state` (``reset_process_state``: its
-    process group destroyed if nblaunch made it), then put ``saved`` back."""
-    reset_process_state()
-    PartialState._shared_state.update(saved)

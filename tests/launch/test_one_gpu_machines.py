@@ -1,0 +1,79 @@
+"""What a one-GPU machine (Colab's and Kaggle's free tiers) and a laptop without a GPU get.
+
+This machine has no GPU: the tests stand in for the one probe that counts them (NVML), so the
+launcher decides as it would on a one-GPU machine; the ranks then really run, on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from nblaunch import LaunchConfigError, RankFailedError, WarmRanks, notebook_launcher
+from nblaunch.events import LaunchStarted, RankStarted
+from nblaunch.launch.planning import checks, devices
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+
+
+def where_am_i():
+    import torch
+
+    dist.init_process_group("gloo")
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available(), dist.get_world_size(), os.getpid()
+
+
+def test_more_ranks_than_gpus_is_refused_with_cpu_true_offered(one_gpu):
+    with pytest.raises(LaunchConfigError, match=r"1 GPU is visible .* or cpu=True to run 2 ranks on the CPU"):
+        notebook_launcher(where_am_i, num_processes=2, display="none")
+
+
+def test_cpu_true_runs_as_many_cpu_ranks_as_asked_with_the_gpus_hidden(one_gpu):
+    results = notebook_launcher(where_am_i, num_processes=3, cpu=True, display="none")
+    assert [r[:3] for r in results] == [("", False, 3)] * 3
+    assert os.getpid() not in {r[3] for r in results}
+
+
+def test_warm_ranks_take_cpu_true_too(one_gpu):
+    with WarmRanks(num_processes=2, cpu=True, display="none") as ranks:
+        assert ranks.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"]) == ["", ""]
+
+
+def test_num_processes_left_out_is_two_cpu_ranks_without_a_gpu(recorder):
+    assert len(notebook_launcher(where_am_i, display=recorder)) == 2
+    assert recorder.of(LaunchStarted)[0].num_processes == 2
+
+
+def fails():
+    raise ValueError("broken in the only rank")
+
+
+def test_one_rank_is_a_launch_like_any_other(recorder):
+    [(_, _, world, pid)] = notebook_launcher(where_am_i, num_processes=1, display=recorder)
+    assert world == 1 and pid != os.getpid() and recorder.of(RankStarted)[0].pid == pid
+    assert not dist.is_initialized()  # the rank's group was its own
+    with pytest.raises(RankFailedError, match="broken in the only rank") as failed:
+        notebook_launcher(fails, num_processes=1, display="none")
+    assert failed.value.root_cause.rank == 0
+
+
+def test_fp8_is_refused_before_anything_starts_where_it_cannot_run(one_gpu, monkeypatch):
+    with pytest.raises(LaunchConfigError, match="'fp8' needs CUDA GPUs .* use 'bf16' or 'no'"):
+        notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8", cpu=True)
+    monkeypatch.setattr(checks, "_FP8_BACKENDS", ("no_such_fp8_backend",))
+    with pytest.raises(LaunchConfigError, match="nblaunch's Accelerator does not do fp8. Use mixed_precision='bf16'"):
+        notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8")
+
+
+@pytest.mark.parametrize("option", [{"mixed_precision": "bf16"}, {"start_method": "spawn"}, {"use_port": 29555},
+                                    {"cpu": True}, {"max_restarts": 1}])
+def test_launch_options_are_refused_with_warm_ranks_not_dropped(option):
+    with WarmRanks(num_processes=2, display="none") as ranks:
+        name = next(iter(option))
+        with pytest.raises(LaunchConfigError, match=f"{name} cannot apply with ranks=: .* Pass it to WarmRanks"):
+            notebook_launcher(where_am_i, ranks=ranks, **option)
