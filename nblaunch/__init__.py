@@ -25,6 +25,7 @@ from nblaunch.launch.errors import (
     LaunchInterrupted,
     RemoteError,
 )
+from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.progress import progress
 
@@ -39,6 +40,19 @@ _TRAINING_NAMES = {
     "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
     "DataLoaderDispatcher", "LocalSGD", "FullyShardedDataParallelPlugin", "reset_process_state",
 }
+
+
+def gpu_count() -> int:
+    """The GPUs a launch here would give a rank each (``CUDA_VISIBLE_DEVICES`` respected).
+
+    Counted through NVML, without starting CUDA in this process, so a launch after it can still
+    fork. ``num_processes=None`` uses the same count (or 2 CPU ranks where it is 0).
+
+    Example::
+
+        >>> num_processes = nblaunch.gpu_count() or 2   # one rank per GPU, or 2 on the CPU
+    """
+    return cuda_device_count()
 
 
 def load_ipython_extension(ipython) -> None:
@@ -58,6 +72,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "notebook_launcher",
+    "gpu_count",
     "Accelerator",
     "PartialState",
     "GradientState",

@@ -183,7 +183,7 @@ def test_the_accelerate_cell_moves_over_by_changing_its_import_only():
         "- from accelerate import Accelerator, notebook_launcher",
         "+ from nblaunch import Accelerator, notebook_launcher",
     ]
-    assert "notebook_launcher(training_function, args, num_processes=2)" in original  # the original call
+    assert "notebook_launcher(training_function, args, num_processes=num_processes)" in original  # the original call
 
 
 def test_the_moved_cell_trains_on_two_ranks_that_agree(from_accelerate):
@@ -242,7 +242,7 @@ def test_a_hang_in_a_collective_ends_at_the_timeout_with_every_ranks_stack(went_
 
 
 def test_an_interrupt_shows_every_ranks_stack_then_raises_keyboard_interrupt(went_wrong):
-    interrupted = cell(went_wrong, "notebook_launcher(blocked, num_processes=2)")
+    interrupted = cell(went_wrong, "notebook_launcher(blocked, num_processes=num_processes, cpu=cpu)")
     assert error(interrupted).ename == "LaunchInterrupted"  # a KeyboardInterrupt
     assert PACKAGE_DIR not in "\n".join(error(interrupted).traceback)  # no frame of nblaunch's code
     done = summary(interrupted)
@@ -265,7 +265,7 @@ def test_what_an_earlier_kernels_ranks_left_is_stopped_by_the_next_launch(went_w
     assert stream(started, "stderr") == ""  # no log of the helper kernel's (jupyter_client's TCP warning)
     servers = sorted(int(pid) for pid in re.findall(r"started a server, pid (\d+)", earlier))
     assert len(servers) == 2 and earlier.endswith("the earlier kernel is gone\n")
-    (cleanup,) = [c for c in went_wrong.cells if c.source == "notebook_launcher(all_reduce_check, num_processes=2)"]
+    (cleanup,) = [c for c in went_wrong.cells if c.source == "notebook_launcher(all_reduce_check, num_processes=num_processes, cpu=cpu)"]
     message = stream(cleanup, "stderr")
     # The earlier kernel's ranks die with it, but asynchronously: on a busy machine the sweep may
     # find one still exiting and stop it too. The servers must be among what it stopped.
