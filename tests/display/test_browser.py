@@ -53,6 +53,8 @@ def test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab(lab, browser
 
     page.wait_for_function(BAR_PART_WAY, timeout=120_000)
     page.screenshot(path=str(ARTIFACTS / "widget_demo_running.png"), full_page=True)
+    # The dashboard alone, mid-launch: README's picture (docs/refresh.py copies it to docs/images).
+    page.locator(".nblaunch-dashboard").first.screenshot(path=str(ARTIFACTS / "widget_demo_dashboard.png"))
     page.wait_for_function(NEWEST_LOG_LINE_VISIBLE, timeout=120_000)  # the log box follows its newest lines
     page.wait_for_function(SUMMARY_DONE, timeout=120_000)
     page.wait_for_function(DASHBOARD_GONE, timeout=10_000)
