@@ -87,7 +87,9 @@ def test_collectives_in_two_processes(recorder, tmp_path):
     assert r0["split_dict"] == {"x": ["a", "b"], "y": [0, 1]} and r1["split_dict"] == {"x": ["c", "c"], "y": [2, 2]}
     assert r0["split_dataset"] == ("Dataset", [0, 1, 2]) and r1["split_dataset"] == ("Dataset", [3, 4, 4])
     assert r0["marker_seen"] is False and r1["marker_seen"] is True
-    assert recorder.lines(0) == ["printed by rank 0"] and recorder.lines(1) == []
+    # (torch 2.9's gloo says "[Gloo] Rank N is connected to ..." on its own: not ours to judge.)
+    printed = {rank: [line for line in recorder.lines(rank) if not line.startswith("[Gloo]")] for rank in (0, 1)}
+    assert printed == {0: ["printed by rank 0"], 1: []}
     metrics = sorted((m.rank, m.values["loss"], m.values["acc"], m.step) for m in recorder.of(Metrics))
     assert metrics == [(0, 0.5, 1, 3), (1, 1.5, 1, 3)]
 
