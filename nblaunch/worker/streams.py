@@ -1,10 +1,12 @@
 """A rank's output: fds 1/2 and ``sys.stdout``/``sys.stderr`` on the launcher's pipes.
 
-stdout is block-buffered, as Python buffers a script's stdout that goes to a file, and flushed
-every ``FLUSH_EVERY_S`` by a thread of its own: a write per line cost a chatty rank twice its
-printing (100k lines: 0.13 s against 0.05 s), while a line still reaches the cell within 50 ms.
-stderr stays line-buffered: tracebacks, warnings and logging are what a rank that dies must
-leave behind, and they are few.
+stdout writes each line at once while a rank prints little, so a line printed just before a
+crash (a segfault, the OOM killer) is never lost: that is how people find where a rank died.
+When it prints a lot (more than ``CHATTY_BYTES`` in one ``FLUSH_EVERY_S``), a write per line
+would cost it twice its printing (100k lines: 0.13 s against 0.05 s), so a thread of its own
+switches stdout to a 64 KiB buffer and flushes it every ``FLUSH_EVERY_S``, then back to a line
+at a time once the rank is quiet again. stderr stays line-buffered: tracebacks, warnings and
+logging are few, and what a dying rank must leave behind.
 
 A forked child of a Jupyter kernel inherits the kernel's stream objects (they write into the
 kernel's sockets, where a child's output vanishes) and every ``logging`` handler that holds
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import _thread
 import functools
+import io
 import logging
 import os
 import sys
@@ -24,7 +27,8 @@ import threading
 import time
 from typing import TextIO
 
-FLUSH_EVERY_S = 0.05
+FLUSH_EVERY_S = 0.02
+CHATTY_BYTES = 4096  # in one FLUSH_EVERY_S: ~200 KB/s, thousands of lines a second
 _BUFFER_BYTES = 1 << 16
 
 
@@ -44,8 +48,8 @@ def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    new_out, new_err = _buffered_stream(1), line_stream(2)
-    _keep_flushing(new_out)
+    (new_out, counted), new_err = _adaptive_stream(1), line_stream(2)
+    _keep_flushing(new_out, counted)
     replacement = {
         id(sys.stdout): new_out, id(sys.__stdout__): new_out,
         id(sys.stderr): new_err, id(sys.__stderr__): new_err,
@@ -57,8 +61,23 @@ def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
         new_err.write(f"nblaunch: {problem}\n")
 
 
-def _buffered_stream(fd: int) -> TextIO:
-    return open(fd, "w", buffering=_BUFFER_BYTES, encoding="utf-8", errors="backslashreplace", closefd=False)
+class _CountingFile(io.FileIO):
+    """The file under the rank's stdout, counting what reaches it: called once per line while
+    line-buffered, once per 64 KiB or flush when not, so the count costs chatty ranks nothing."""
+
+    written = 0
+
+    def write(self, data) -> int:
+        count = super().write(data) or 0
+        self.written += count
+        return count
+
+
+def _adaptive_stream(fd: int) -> tuple[TextIO, _CountingFile]:
+    raw = _CountingFile(fd, "w", closefd=False)
+    buffered = io.BufferedWriter(raw, _BUFFER_BYTES)
+    stream = io.TextIOWrapper(buffered, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+    return stream, raw
 
 
 # Held while the flusher writes and across any fork the rank makes: a child forked while the
@@ -66,17 +85,24 @@ def _buffered_stream(fd: int) -> TextIO:
 _flushing = threading.Lock()
 
 
-def _keep_flushing(stream: TextIO) -> None:
-    """Flush ``stream`` every ``FLUSH_EVERY_S`` from a thread; make forks safe and unbuffered."""
+def _keep_flushing(stream: TextIO, raw: _CountingFile) -> None:
+    """Buffer ``stream`` while the rank is chatty, flushing every ``FLUSH_EVERY_S``, from a
+    thread; make forks safe and line-buffered."""
 
     def flush_forever() -> None:
+        seen = 0
         while not stream.closed:
             time.sleep(FLUSH_EVERY_S)
             with _flushing:
                 try:
-                    stream.flush()
+                    if not stream.line_buffering:
+                        stream.flush()
+                    chatty = raw.written - seen > CHATTY_BYTES
+                    if chatty == stream.line_buffering:
+                        stream.reconfigure(line_buffering=not chatty)
                 except (OSError, ValueError):
                     pass  # the launcher is gone, or the stream was closed under us
+                seen = raw.written
 
     def before_fork() -> None:
         _flushing.acquire()

@@ -1,5 +1,5 @@
 """Accelerate's own distributed test scripts, from the installed package, ported by README's
-import change: the count README publishes is the count measured here, and every call that
+import change: the count docs/coming-from-accelerate.md publishes is the count measured here, and every call that
 fails under nblaunch (but passes under Accelerate) is listed with its reason in
 docs/accelerator.md."""
 
@@ -28,10 +28,10 @@ def test_accelerates_scripts_pass_as_readme_says_and_every_failure_is_explained(
 
     outcomes = accelerate_scripts.conformance()
     passed, total = accelerate_scripts.summary(outcomes)
-    readme = " ".join(_read("README.md").split())
+    readme = " ".join(_read("docs/coming-from-accelerate.md").split())
     claim = re.search(r"(\d+) of the (\d+) test calls that pass under Accelerate pass under nblaunch "
                       r"\(accelerate ([\d.]+)", readme)
-    assert claim, "README's 'Coming from Accelerate' must give the count"
+    assert claim, "docs/coming-from-accelerate.md must give the count"
     table = "\n".join(f"{o.script} | {o.call} | {o.accelerate} | {o.nblaunch}" for o in outcomes)
     assert (passed, total, accelerate.__version__) == (int(claim[1]), int(claim[2]), claim[3]), table
     documented = _read("docs/accelerator.md").split("## Accelerate's test scripts", 1)[1]

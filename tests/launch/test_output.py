@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,34 @@ def test_what_a_failing_rank_printed_comes_before_its_failure(recorder):
         said = next(i for i, e in enumerate(events) if isinstance(e, Output) and e.rank == rank and "the last words" in e.lines)
         failed = next(i for i, e in enumerate(events) if isinstance(e, RankFinished) and e.rank == rank)
         assert said < failed
+
+
+def prints_then_dies():
+    import signal
+
+    print(f"the last words of rank {os.environ['RANK']}")  # no flush: what people print to find a crash
+    os.kill(os.getpid(), signal.SIGKILL)  # as a segfault or the OOM killer ends it, no Python cleanup
+
+
+def test_a_line_printed_just_before_a_rank_is_killed_is_not_lost(recorder):
+    with pytest.raises(RankFailedError, match="SIGKILL"):
+        notebook_launcher(prints_then_dies, num_processes=2, display=recorder)
+    killed = [e.rank for e in recorder.of(RankFinished) if e.state == RankState.FAILED]
+    assert killed
+    for rank in killed:
+        assert f"the last words of rank {rank}" in recorder.lines(rank)
+
+
+def chatty_then_quiet():
+    for i in range(20000):  # chatty: the rank's stdout is buffered...
+        print(f"line {i}")
+    time.sleep(0.5)  # ...until it is quiet for a while: then a line at a time again
+    print("the last words")
+    os.kill(os.getpid(), 9)
+
+
+def test_after_a_chatty_stretch_a_quiet_rank_writes_each_line_at_once_again(recorder):
+    with pytest.raises(RankFailedError):
+        notebook_launcher(chatty_then_quiet, num_processes=1, display=recorder)
+    lines = recorder.lines(0)
+    assert lines == [f"line {i}" for i in range(20000)] + ["the last words"]
