@@ -11,6 +11,7 @@ Whatever fails around the user's function is reported to the launcher too (``Ran
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -69,6 +70,10 @@ def settle_forked_child(parent_pid: int) -> None:
     blocked across the fork, may come in), and death with the launcher. The launcher's other
     descriptors were closed at the fork (``nblaunch.launch.starting.fdtable``)."""
     os.setpgid(0, 0)
+    # Garbage the parent had not collected yet is not ours to collect: its finalizers may wait
+    # for the parent's threads (Ray's GlobalStateAccessor joins a C++ thread, and a rank hung
+    # for ever in the gc.collect() that Trainer calls). Frozen, it is never examined here.
+    gc.freeze()
     # Forked from the launcher's forking thread, which is now this process's main thread: give it
     # the main thread's name back (stacks say "Thread MainThread"; some libraries check the name).
     threading.current_thread().name = "MainThread"

@@ -200,3 +200,36 @@ def test_without_an_event_pipe_the_report_reaches_the_log(recorder):
     tail = "\n".join(root.log_tail)
     assert "nblaunch: this rank could not start (attaching its output to the launcher)" in tail
     assert "Traceback (most recent call last):" in tail
+
+
+class _Finalised:
+    """Garbage with a finalizer that must run in the process that made it, never in a rank."""
+
+    def __init__(self, record):
+        self.record = record
+        self.cycle = self  # only the cyclic collector frees it
+
+    def __del__(self):
+        with open(self.record, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def collects_garbage():
+    import gc
+
+    gc.collect()  # as transformers' Trainer does after training
+    return os.getpid()
+
+
+def test_garbage_the_kernel_left_uncollected_is_never_finalised_in_a_rank(tmp_path):
+    import gc
+
+    record = tmp_path / "finalised"
+    gc.disable()  # keep the garbage uncollected until the launch has forked
+    try:
+        _Finalised(str(record))
+        pids = notebook_launcher(collects_garbage, num_processes=2, display="none")
+    finally:
+        gc.enable()
+    gc.collect()
+    assert record.read_text().split() == [str(os.getpid())], f"finalised in ranks {pids}"
