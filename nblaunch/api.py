@@ -25,14 +25,18 @@ def notebook_launcher(
     master_addr: str = "127.0.0.1",
     node_rank: int = 0,
     num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
     *,
     start_method: str | None = None,
     timeout: float | None = None,
     display: str | Display = "auto",
     block: bool = True,
-    max_restarts: int = 0,
-    monitor_interval: float = 0.1,
-    rdzv_backend: str = "static",
     ranks: "WarmRanks | None" = None,
     cluster: str | None = None,
     cpu: bool = False,
@@ -74,9 +78,14 @@ def notebook_launcher(
         cpu: True runs every rank on the CPU with the GPUs hidden (as Accelerate's
             ``cpu=True``): as many ranks as you like on a one-GPU machine, to try or debug
             distributed code.
-        monitor_interval, rdzv_backend: Accelerate's elastic-launch arguments, accepted for
-            its callers; nblaunch watches its ranks without polling and knows every rank up
-            front, so they change nothing ("static" or "c10d").
+        rdzv_endpoint: Accelerate's ``"host:port"`` of the rendezvous: the same as
+            ``master_addr`` and ``use_port`` (refused where they disagree).
+        monitor_interval, rdzv_backend, rdzv_id: Accelerate's elastic-launch arguments,
+            accepted for its callers (by position too); nblaunch watches its ranks without
+            polling and knows every rank up front, so they change nothing ("static" or "c10d").
+        rdzv_conf, log_line_prefix_template: refused when given: the first configures a
+            dynamic rendezvous nblaunch does not use, the second a line prefix nblaunch sets
+            itself ("[rank 1] ...").
 
     Raises:
         LaunchConfigError: bad input (nothing was started).
@@ -99,12 +108,17 @@ def notebook_launcher(
     if not isinstance(cpu, bool):
         raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
     if ranks is not None:
-        _refuse_launch_options_on_warm_ranks(mixed_precision, use_port, master_addr, node_rank, start_method,
-                                             max_restarts, monitor_interval, rdzv_backend, cluster, cpu)
+        _refuse_launch_options_on_warm_ranks(
+            mixed_precision=(mixed_precision, "no"), use_port=(use_port, None), master_addr=(master_addr, "127.0.0.1"),
+            node_rank=(node_rank, 0), start_method=(start_method, None), max_restarts=(max_restarts, 0),
+            monitor_interval=(monitor_interval, 0.1), rdzv_backend=(rdzv_backend, "static"),
+            rdzv_endpoint=(rdzv_endpoint, ""), rdzv_conf=(rdzv_conf, None), rdzv_id=(rdzv_id, "none"),
+            log_line_prefix_template=(log_line_prefix_template, None), cluster=(cluster, None), cpu=(cpu, False))
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, num_nodes, timeout, display)
     request = LaunchRequest(function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
                             num_nodes, start_method, timeout, display, force_cpu=cpu, max_restarts=max_restarts,
-                            monitor_interval=monitor_interval, rdzv_backend=rdzv_backend)
+                            monitor_interval=monitor_interval, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
+                            rdzv_conf=rdzv_conf, rdzv_id=rdzv_id, log_line_prefix_template=log_line_prefix_template)
     plan, home = choose_home(request, cluster)
     ipython_errors.install()
     launch = Launch(plan, function, args, timeout, display, home=home)
@@ -119,16 +133,9 @@ def notebook_launcher(
         raise error.with_traceback(None)
 
 
-def _refuse_launch_options_on_warm_ranks(mixed_precision: Any, use_port: Any, master_addr: Any, node_rank: Any,
-                                         start_method: Any, max_restarts: Any, monitor_interval: Any,
-                                         rdzv_backend: Any, cluster: Any, cpu: Any) -> None:
+def _refuse_launch_options_on_warm_ranks(**given: tuple[Any, Any]) -> None:
     """With ``ranks=``, how the ranks start was decided when the pool was made: an option that
-    would change it must not be dropped without a word."""
-    given = {"mixed_precision": (mixed_precision, "no"), "use_port": (use_port, None),
-             "master_addr": (master_addr, "127.0.0.1"), "node_rank": (node_rank, 0),
-             "start_method": (start_method, None), "max_restarts": (max_restarts, 0),
-             "monitor_interval": (monitor_interval, 0.1), "rdzv_backend": (rdzv_backend, "static"),
-             "cluster": (cluster, None), "cpu": (cpu, False)}
+    would change it (``name=(value, default)``) must not be dropped without a word."""
     changed = [name for name, (value, default) in given.items() if value != default]
     if changed:
         raise LaunchConfigError(

@@ -38,12 +38,12 @@ def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
     r = request
     function, args, num_processes, start_method = r.function, r.args, r.num_processes, r.start_method
     mixed_precision = check_basics(function, args, r.mixed_precision, r.timeout, r.display)
-    check_elastic_arguments(r.monitor_interval, r.rdzv_backend)
+    check_elastic_arguments(r)
     num_nodes = positive_int("num_nodes", r.num_nodes)
-    if r.node_rank != 0 or r.master_addr != "127.0.0.1":
+    if r.node_rank != 0 or r.master_addr != "127.0.0.1" or r.rdzv_endpoint not in ("", None):
         raise LaunchConfigError(
-            "with cluster='ray', Ray places every node and node 0 hosts the rendezvous: leave node_rank and "
-            "master_addr out (they are for running the same call on every machine yourself)"
+            "with cluster='ray', Ray places every node and node 0 hosts the rendezvous: leave node_rank, "
+            "master_addr and rdzv_endpoint out (they are for running the same call on every machine yourself)"
         )
     if start_method not in (None, "fork", "spawn"):
         raise LaunchConfigError(f"with cluster='ray', start_method must be None, 'fork' or 'spawn'; got {start_method!r}")

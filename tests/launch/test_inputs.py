@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 import socket
 
 import psutil
@@ -147,3 +150,43 @@ def test_more_ranks_than_open_files_allow_is_refused_with_what_to_do():
         assert children() == before
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def where_we_meet():
+    return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+
+
+def test_accelerates_parameters_come_in_its_order_and_mean_the_same():
+    accelerate = pytest.importorskip("accelerate")
+    theirs = list(inspect.signature(accelerate.notebook_launcher).parameters.values())
+    ours = list(inspect.signature(notebook_launcher).parameters.values())
+    assert [p.name for p in ours[:len(theirs)]] == [p.name for p in theirs]  # positional calls port as they are
+    for mine, their in zip(ours, theirs):
+        assert mine.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
+        if mine.name != "use_port":  # None: a free port, where Accelerate's "29500" collides
+            assert mine.default == their.default, mine.name
+    port = free_port()
+    # Accelerate's positional order, up to log_line_prefix_template; rdzv_endpoint names the meeting point.
+    assert notebook_launcher(where_we_meet, (), 2, "no", None, "127.0.0.1", 0, 1, "c10d", f"127.0.0.1:{port}",
+                             None, "job-7", 0, 0.1, None, display="none") == [("127.0.0.1", str(port))] * 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rdzv_endpoint": "127.0.0.1:29511", "use_port": 29512}, "name different meeting points: give one of them"),
+    ({"rdzv_endpoint": "10.0.0.1:29511", "master_addr": "10.0.0.2"}, "name different meeting points"),
+    ({"rdzv_endpoint": ":29511"}, "rdzv_endpoint must be 'host:port' or 'host'"),
+    ({"rdzv_conf": {"timeout": 900}}, "configures torchelastic's dynamic rendezvous, which nblaunch does not use"),
+    ({"log_line_prefix_template": "${rank}: "}, "nblaunch tags every line with its rank itself"),
+    ({"rdzv_id": 7}, "rdzv_id must be a string"),
+])
+def test_elastic_arguments_that_cannot_apply_are_refused_with_what_to_do(kwargs, message):
+    before = children()
+    with pytest.raises(LaunchConfigError, match=re.escape(message)):
+        notebook_launcher(noop, num_processes=2, display="none", **kwargs)
+    assert children() == before

@@ -157,13 +157,51 @@ def check_restarts(value: Any, num_nodes: int) -> int:
     return value
 
 
-def check_elastic_arguments(monitor_interval: Any, rdzv_backend: Any) -> None:
-    """Accelerate's elastic-launch arguments: accepted where they mean something here."""
-    if (isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float))
-            or not math.isfinite(monitor_interval) or monitor_interval <= 0):
-        raise LaunchConfigError(f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}")
-    if rdzv_backend not in ("static", "c10d"):
+def check_elastic_arguments(request: Any) -> None:
+    """Accelerate's elastic-launch arguments (``notebook_launcher``'s, by position too): those
+    that mean something here are checked; those that would need torchelastic's dynamic
+    rendezvous, which nblaunch does not use (it knows every rank up front), are refused."""
+    r = request
+    if (isinstance(r.monitor_interval, bool) or not isinstance(r.monitor_interval, (int, float))
+            or not math.isfinite(r.monitor_interval) or r.monitor_interval <= 0):
+        raise LaunchConfigError(f"monitor_interval must be a positive number of seconds, got {r.monitor_interval!r}")
+    if r.rdzv_backend not in ("static", "c10d"):
         raise LaunchConfigError(
-            f"rdzv_backend must be 'static' or 'c10d', got {rdzv_backend!r}; nblaunch knows every rank up front, "
+            f"rdzv_backend must be 'static' or 'c10d', got {r.rdzv_backend!r}; nblaunch knows every rank up front, "
             "so both mean the same here"
         )
+    if not isinstance(r.rdzv_id, str):
+        raise LaunchConfigError(f"rdzv_id must be a string (it names a torchelastic job; nblaunch needs none), "
+                                f"got {r.rdzv_id!r}")
+    if r.rdzv_conf:
+        raise LaunchConfigError(
+            f"rdzv_conf={r.rdzv_conf!r} configures torchelastic's dynamic rendezvous, which nblaunch does not use: "
+            "every rank is known up front. Leave it out (a timeout for the whole launch is timeout=)."
+        )
+    if r.log_line_prefix_template is not None:
+        raise LaunchConfigError(
+            "log_line_prefix_template is not supported: nblaunch tags every line with its rank itself "
+            "('[rank 1] ...' in text, a column per rank in the dashboard). Leave it out."
+        )
+
+
+def rendezvous_point(master_addr: Any, use_port: Any, rdzv_endpoint: Any) -> tuple[Any, Any]:
+    """``(master_addr, use_port)`` with Accelerate's ``rdzv_endpoint="host:port"`` folded in:
+    the same meeting point, said the elastic way; refused where the two disagree."""
+    if rdzv_endpoint in ("", None):
+        return master_addr, use_port
+    if not isinstance(rdzv_endpoint, str):
+        raise LaunchConfigError(f"rdzv_endpoint must be 'host:port' or 'host', got {rdzv_endpoint!r}")
+    host, _, port = rdzv_endpoint.rpartition(":") if ":" in rdzv_endpoint else (rdzv_endpoint, "", "")
+    host = host.strip("[]")  # an IPv6 address in brackets
+    if not host:
+        raise LaunchConfigError(f"rdzv_endpoint must be 'host:port' or 'host', got {rdzv_endpoint!r}")
+    clashes = []
+    if master_addr not in ("127.0.0.1", host):  # 127.0.0.1: master_addr left at its default
+        clashes.append(f"master_addr={master_addr!r}")
+    if port and use_port is not None and str(use_port) != port:
+        clashes.append(f"use_port={use_port!r}")
+    if clashes:
+        raise LaunchConfigError(f"rdzv_endpoint={rdzv_endpoint!r} and {' and '.join(clashes)} name different meeting "
+                                "points: give one of them")
+    return host, (port or use_port)

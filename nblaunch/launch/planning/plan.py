@@ -20,7 +20,7 @@ from typing import Any, Callable
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import devices, ports, xla
 from nblaunch.launch.planning.checks import (check_basics, check_elastic_arguments, check_fp8, check_open_files,
-                                             check_restarts, port_number, positive_int)
+                                             check_restarts, port_number, positive_int, rendezvous_point)
 from nblaunch.launch.planning.threads import threads_per_worker
 
 START_METHODS = ("fork", "spawn", "xla")
@@ -47,6 +47,10 @@ class LaunchRequest:
     max_restarts: Any = 0
     monitor_interval: Any = 0.1
     rdzv_backend: Any = "static"
+    rdzv_endpoint: Any = ""
+    rdzv_conf: Any = None
+    rdzv_id: Any = "none"
+    log_line_prefix_template: Any = None
 
     @property
     def function_name(self) -> str:
@@ -163,8 +167,9 @@ def make_plan(request: LaunchRequest) -> LaunchPlan:
     if not isinstance(master_addr, str) or not master_addr:
         raise LaunchConfigError(f"master_addr must be a host name or address, got {master_addr!r}")
     max_restarts = check_restarts(r.max_restarts, num_nodes)
-    check_elastic_arguments(r.monitor_interval, r.rdzv_backend)
-    port = port_number(r.use_port)
+    check_elastic_arguments(r)
+    master_addr, use_port = rendezvous_point(master_addr, r.use_port, r.rdzv_endpoint)
+    port = port_number(use_port)
     if port is None and num_nodes > 1:
         raise LaunchConfigError(
             "with num_nodes > 1, every node must agree on the port: pass the same use_port=... on every node"
