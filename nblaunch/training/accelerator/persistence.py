@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from nblaunch.training.accelerator.host import AcceleratorHost
-from nblaunch.training.checkpoint import files
+from nblaunch.training.checkpoint import files, single
 from nblaunch.training.checkpoint.record import Prepared
 from nblaunch.training.model.fsdp import full_state_dict, is_sharded
 from nblaunch.training.runtime.memory import release_memory
@@ -72,11 +72,9 @@ class PersistenceMethods(AcceleratorHost):
         return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """``torch.save`` on the main process only (call it on every process: on XLA tensors are
-        copied to the CPU first, ``xm.save``'s way)."""
-        save = files.host_saver(self.state)
-        if self.is_main_process:
-            save(obj, f)
+        """``torch.save`` (or safetensors) on the main process only; call it on every process
+        (on XLA tensors are copied to the CPU first, ``xm.save``'s way)."""
+        single.save(obj, f, safe_serialization=safe_serialization)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: Any = None, safe_serialization: bool = True) -> str:
