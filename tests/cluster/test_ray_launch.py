@@ -198,7 +198,7 @@ def test_a_launch_needing_more_cpus_than_a_node_has_is_refused_before_anything_i
     (dict(args=[1]), "args must be a tuple"),
     (dict(args=()), "cannot be called with args"),
     (dict(cluster="dask"), "cluster must be None"),
-    (dict(node_rank=1), "leave node_rank and master_addr out"),
+    (dict(node_rank=1), "leave node_rank, master_addr and rdzv_endpoint out"),
     (dict(max_restarts=1), "max_restarts is not supported with cluster='ray'"),
     (dict(start_method="xla"), "start_method must be None, 'fork' or 'spawn'"),
 ])
