@@ -80,9 +80,10 @@ def notebook_launcher(
             distributed code.
         rdzv_endpoint: Accelerate's ``"host:port"`` of the rendezvous: the same as
             ``master_addr`` and ``use_port`` (refused where they disagree).
-        monitor_interval, rdzv_backend, rdzv_id: Accelerate's elastic-launch arguments,
-            accepted for its callers (by position too); nblaunch watches its ranks without
-            polling and knows every rank up front, so they change nothing ("static" or "c10d").
+        rdzv_id: the job's name, ``TORCHELASTIC_RUN_ID`` in every rank as under torchrun.
+        monitor_interval, rdzv_backend: Accelerate's elastic-launch arguments, accepted for
+            its callers (by position too); nblaunch watches its ranks without polling and knows
+            every rank up front, so they change nothing ("static" or "c10d").
         rdzv_conf, log_line_prefix_template: refused when given: the first configures a
             dynamic rendezvous nblaunch does not use, the second a line prefix nblaunch sets
             itself ("[rank 1] ...").

@@ -3,6 +3,8 @@ Lightning") instead of starting its own with strategy="ddp_notebook"."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -27,11 +29,11 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(fail_on_rank=None):
+def fit(fail_on_rank=None, devices=2):
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Regression(fail_on_rank)
     trainer.fit(module, loader)
@@ -49,3 +51,18 @@ def test_a_lightning_trainer_joins_the_launchs_ranks_and_trains_data_parallel():
 def test_a_lightning_rank_that_raises_is_named_and_the_other_stopped():
     with pytest.raises(RankFailedError, match="rank 1 failed: ValueError: bad batch on rank 1"):
         notebook_launcher(fit, args=(1,), num_processes=2, display="none")
+
+
+def run_id():
+    import torch.distributed as dist
+
+    return os.environ["TORCHELASTIC_RUN_ID"], dist.is_torchelastic_launched()
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_devices_that_disagree_with_num_processes_fail_at_once_saying_so(devices):
+    # The ranks look launched by torchrun (TORCHELASTIC_RUN_ID), so Lightning checks devices= against
+    # WORLD_SIZE: without it, devices=4 hung waiting for ranks 2 and 3, devices=1 raised an IndexError.
+    with pytest.raises(RankFailedError, match=rf"devices={devices}.*does not match the world size \(2\)"):
+        notebook_launcher(fit, args=(None, devices), num_processes=2, display="none", timeout=120)
+    assert notebook_launcher(run_id, num_processes=2, display="none", rdzv_id="job-7") == [("job-7", True)] * 2

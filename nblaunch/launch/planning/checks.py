@@ -171,7 +171,7 @@ def check_elastic_arguments(request: Any) -> None:
             "so both mean the same here"
         )
     if not isinstance(r.rdzv_id, str):
-        raise LaunchConfigError(f"rdzv_id must be a string (it names a torchelastic job; nblaunch needs none), "
+        raise LaunchConfigError(f"rdzv_id must be a string (the job's name, TORCHELASTIC_RUN_ID in every rank), "
                                 f"got {r.rdzv_id!r}")
     if r.rdzv_conf:
         raise LaunchConfigError(

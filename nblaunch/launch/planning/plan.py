@@ -77,6 +77,7 @@ class LaunchPlan:
     max_restarts: int = 0  # after a rank fails, start every rank again up to this many times
     restart: int = 0  # which start this is: 0 first, 1 the first restart, ...
     port_pinned: bool = False  # use_port given: every restart meets there again
+    run_id: str = "none"  # torchrun's TORCHELASTIC_RUN_ID (Accelerate's rdzv_id), "none" as torchrun's default
 
     @property
     def world_size(self) -> int:
@@ -111,6 +112,10 @@ class LaunchPlan:
             # What Hugging Face Accelerate (and so transformers' Trainer) reads, as its own
             # launchers set it: code that keeps `accelerate` gets the same launch.
             "ACCELERATE_MIXED_PRECISION": self.mixed_precision,
+            # torchrun always sets it, and libraries ask torch.distributed.is_torchelastic_launched()
+            # to trust the variables above: Lightning then checks its devices= against WORLD_SIZE
+            # (a mismatch is a clear error instead of a hang waiting for ranks that never come).
+            "TORCHELASTIC_RUN_ID": self.run_id,
         }
         if self.device_kind == "cpu" and self.world_size > 1:
             # Without it Accelerate's state joins no process group on a CPU: every rank would
@@ -210,6 +215,7 @@ def make_plan(request: LaunchRequest) -> LaunchPlan:
         force_cpu=force_cpu,
         max_restarts=max_restarts,
         port_pinned=port is not None,
+        run_id=r.rdzv_id,
     )
 
 
