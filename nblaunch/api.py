@@ -5,6 +5,7 @@ The top of the house: it may use every other part (the launch, its homes, warm r
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from nblaunch.events import Display
@@ -109,12 +110,7 @@ def notebook_launcher(
     if not isinstance(cpu, bool):
         raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
     if ranks is not None:
-        _refuse_launch_options_on_warm_ranks(
-            mixed_precision=(mixed_precision, "no"), use_port=(use_port, None), master_addr=(master_addr, "127.0.0.1"),
-            node_rank=(node_rank, 0), start_method=(start_method, None), max_restarts=(max_restarts, 0),
-            monitor_interval=(monitor_interval, 0.1), rdzv_backend=(rdzv_backend, "static"),
-            rdzv_endpoint=(rdzv_endpoint, ""), rdzv_conf=(rdzv_conf, None), rdzv_id=(rdzv_id, "none"),
-            log_line_prefix_template=(log_line_prefix_template, None), cluster=(cluster, None), cpu=(cpu, False))
+        _refuse_launch_options_on_warm_ranks(locals())
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, num_nodes, timeout, display)
     request = LaunchRequest(function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
                             num_nodes, start_method, timeout, display, force_cpu=cpu, max_restarts=max_restarts,
@@ -134,10 +130,17 @@ def notebook_launcher(
         raise error.with_traceback(None)
 
 
-def _refuse_launch_options_on_warm_ranks(**given: tuple[Any, Any]) -> None:
-    """With ``ranks=``, how the ranks start was decided when the pool was made: an option that
-    would change it (``name=(value, default)``) must not be dropped without a word."""
-    changed = [name for name, (value, default) in given.items() if value != default]
+# How the ranks start: decided when a WarmRanks is made, so not for ranks= to change.
+_DECIDED_BY_THE_POOL = ("mixed_precision", "use_port", "master_addr", "node_rank", "start_method", "max_restarts",
+                        "monitor_interval", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "rdzv_id",
+                        "log_line_prefix_template", "cluster", "cpu")
+
+
+def _refuse_launch_options_on_warm_ranks(given: dict[str, Any]) -> None:
+    """With ``ranks=``, an option that would change how the ranks start (one not at its
+    default) must not be dropped without a word."""
+    defaults = inspect.signature(notebook_launcher).parameters
+    changed = [name for name in _DECIDED_BY_THE_POOL if given[name] != defaults[name].default]
     if changed:
         raise LaunchConfigError(
             f"{', '.join(changed)} cannot apply with ranks=: the warm ranks were started with their own settings. "

@@ -16,8 +16,8 @@ be re-pointed is reported in the rank's log, never allowed to stop the rank.
 
 from __future__ import annotations
 
-import ctypes
 import _thread
+import ctypes
 import functools
 import io
 import logging

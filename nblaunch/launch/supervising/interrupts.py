@@ -25,9 +25,8 @@ def interrupts_wait() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[int] = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:  # the interrupt already being answered is all a second one could ask for
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     except ValueError:  # a thread of an embedded interpreter that cannot set handlers
         yield
         return

@@ -24,7 +24,7 @@ def save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: 
     runs its pending graph first. ``safe_serialization`` writes a dict of tensors with
     safetensors (which must be installed) instead of ``torch.save``."""
     state = PartialState()
-    write = host_saver(state)
+    write = host_saver(state)  # on XLA this runs every rank's pending graph, whichever writer follows
     if safe_serialization:
         write = _safetensors_writer()
     if state.is_local_main_process if save_on_each_node else state.is_main_process:
