@@ -13,6 +13,7 @@ from __future__ import annotations
 from nblaunch.training.checkpoint.single import save
 from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
+from nblaunch.training.options.project import ProjectConfiguration
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                               DistributedDataParallelKwargs, GradientAccumulationPlugin,
                                               GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
@@ -29,11 +30,12 @@ from nblaunch.training.runtime.main_process import tqdm, wait_for_everyone
 from nblaunch.training.runtime.memory import find_executable_batch_size, release_memory
 from nblaunch.training.runtime.seed import set_seed
 from nblaunch.training.runtime.tree import recursively_apply, send_to_device
+from nblaunch.training.tracking.base import LoggerType
 
 __all__ = [
     "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType",
     "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
-    "ProfileKwargs", "DistributedType", "DistributedOperationException",
+    "ProfileKwargs", "ProjectConfiguration", "LoggerType", "DistributedType", "DistributedOperationException",
     "broadcast", "broadcast_object_list", "copy_tensor_to_devices", "gather", "gather_object", "pad_across_processes",
     "recursively_apply", "reduce", "send_to_device", "set_seed", "synchronize_rng_states", "skip_first_batches",
     "find_executable_batch_size", "release_memory", "save", "tqdm", "wait_for_everyone",

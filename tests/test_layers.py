@@ -22,6 +22,7 @@ LAYERS = [
     ["nblaunch.training.step"],
     ["nblaunch.training.data"],
     ["nblaunch.training.checkpoint"],
+    ["nblaunch.training.tracking"],
     ["nblaunch.training.accelerator"],
     ["nblaunch.training"],  # its __init__: the public names
     ["nblaunch.launch"],
@@ -29,7 +30,8 @@ LAYERS = [
     ["nblaunch.homes"],
     ["nblaunch.warm"],
     ["nblaunch.api", "nblaunch.demo"],
-    ["nblaunch.cli", "nblaunch.__main__", "nblaunch.utils", "nblaunch.logging", "nblaunch"],
+    ["nblaunch.cli", "nblaunch.__main__", "nblaunch.utils", "nblaunch.logging", "nblaunch.tracking",
+     "nblaunch"],
 ]
 
 

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 from nblaunch.training.accelerator.collectives import CollectiveMethods
 from nblaunch.training.accelerator.persistence import PersistenceMethods
 from nblaunch.training.accelerator.prepare import PrepareMethods
+from nblaunch.training.accelerator.tracking import TrackingMethods
 from nblaunch.training.accelerator.training_step import TrainingStepMethods
 from nblaunch.training.model.placement import ReplacedParameters
 from nblaunch.training.model.precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
@@ -39,8 +40,10 @@ from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                               GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                               ProfileKwargs, adopt, refuse_unsupported)
+from nblaunch.training.options.project import ProjectConfiguration, project_configuration
 from nblaunch.training.runtime.state import AcceleratorState, DistributedType
 from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.tracking.choose import choose_trackers
 
 __all__ = ["Accelerator"]
 
@@ -49,10 +52,10 @@ __all__ = ["Accelerator"]
 _UNSUPPORTED = ("deepspeed_plugin", "megatron_lm_plugin", "torch_tp_plugin",
                 "parallelism_config", "dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
-_IGNORED = ("log_with", "project_config", "downcast_bf16", "logging_dir")
+_IGNORED = ("downcast_bf16",)
 
 
-class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, PersistenceMethods):
+class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, PersistenceMethods, TrackingMethods):
     """Per-process training helper: device placement, DDP, mixed precision, accumulation,
     sharded data, collectives and checkpoints.
 
@@ -74,7 +77,13 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         kwargs_handlers: :class:`DistributedDataParallelKwargs`, :class:`GradScalerKwargs`,
             :class:`AutocastKwargs`.
         gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin`.
-        project_dir: default directory of ``save_state`` / ``load_state``.
+        project_dir: the run's directory: ``save_state()`` writes under it, TensorBoard too.
+        project_config: a :class:`~nblaunch.utils.ProjectConfiguration` (or Accelerate's):
+            automatic checkpoint naming, ``total_limit``, ``logging_dir``.
+        log_with: experiment trackers: ``"tensorboard"``, ``"wandb"``, ``"mlflow"``,
+            ``"trackio"``, ``"all"`` (those installed), a :class:`~nblaunch.utils.LoggerType`,
+            tracker objects, or a list of them; opened by :meth:`init_trackers`. ``log()``
+            draws metrics in the launching cell with or without them.
         rng_types: RNGs given rank 0's state at the start of every epoch of a prepared loader
             (Accelerate's; default ``["generator"]``, the shuffle's own generator).
         fsdp_plugin: a :class:`~nblaunch.utils.FullyShardedDataParallelPlugin` (or Accelerate's):
@@ -100,6 +109,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         even_batches: bool | None = None,
         project_dir: str | os.PathLike | None = None,
+        project_config: ProjectConfiguration | Any = None,
+        log_with: Any = None,
         rng_types: list[str] | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | Any = None,
         **kwargs: Any,
@@ -108,7 +119,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             if name in _UNSUPPORTED:
                 if value not in (None, False, "no", "NO"):
                     raise NotImplementedError(f"Accelerator({name}=...) is not supported by nblaunch")
-            elif name == "dispatch_batches":  # Accelerate before 1.0 took it here
+            elif name in ("dispatch_batches", "logging_dir"):  # Accelerate before 1.0 took them here
                 continue
             elif name not in _IGNORED:
                 raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}")
@@ -173,7 +184,11 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             self.scaler = make_grad_scaler(self.device, **scaler_kwargs)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.step_scheduler_per_process = step_scheduler_per_process
-        self.project_dir = os.fspath(project_dir) if project_dir is not None else None
+        # logging_dir: Accelerate before 1.0 took it here
+        self.project_configuration = project_configuration(project_config, project_dir, kwargs.get("logging_dir"))
+        self.log_with = choose_trackers(log_with, self.logging_dir)  # a missing package fails here, not later
+        self.project_name = None
+        self.config = None
 
         self._models = []
         self._optimizers = []

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from nblaunch.training.data.prepared import PreparedDataLoader
     from nblaunch.training.model.placement import ReplacedParameters
     from nblaunch.training.options.fsdp_plugin import ShardingSettings
+    from nblaunch.training.options.project import ProjectConfiguration
     from nblaunch.training.options.kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, ProfileKwargs
     from nblaunch.training.step.accumulation import Accumulate
     from nblaunch.training.step.gradient_state import GradientState
@@ -55,8 +56,11 @@ class AcceleratorHost:
     scaler: torch.amp.GradScaler | None
     step_scheduler_with_optimizer: bool
     step_scheduler_per_process: bool
-    project_dir: str | None
-    trackers: list[Any]
+    project_configuration: ProjectConfiguration
+    log_with: list[Any]  # tracker names and objects, checked; opened by init_trackers
+    trackers: list[Any]  # the open trackers (main process only)
+    project_name: str | None  # init_trackers'
+    config: dict | None  # init_trackers'
     _autocast_dtype: torch.dtype | None
     _sharding: ShardingSettings | None  # None: models are wrapped in DDP, not sharded
 
@@ -69,6 +73,19 @@ class AcceleratorHost:
     _replaced_parameters: ReplacedParameters
     _accumulate_context: Accumulate | None  # the last accumulate()'s, reused for the same models
     _trigger: bool  # set_trigger's flag
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number of the next automatically named checkpoint."""
+        return self.project_configuration.iteration
 
     @property
     def process_index(self) -> int:

@@ -1,4 +1,4 @@
-"""The ``Accelerator``'s checkpoints, saving and logging (Accelerate's names), a group of
+"""The ``Accelerator``'s checkpoints and saving (Accelerate's names), a group of
 methods of :class:`~nblaunch.training.accelerator.core.Accelerator`: it reads the prepared
 objects, ``state`` and ``project_dir`` that :class:`~nblaunch.training.accelerator.host.AcceleratorHost`
 declares, and hands checkpoints a :class:`~nblaunch.training.checkpoint.record.Prepared` record:
@@ -18,27 +18,34 @@ from typing import Any
 import torch
 
 from nblaunch.training.accelerator.host import AcceleratorHost
-from nblaunch.training.checkpoint import files, single
+from nblaunch.training.checkpoint import files, naming, single
 from nblaunch.training.checkpoint.record import Prepared
 from nblaunch.training.model.fsdp import full_state_dict, is_sharded
 from nblaunch.training.runtime.memory import release_memory
-from nblaunch.worker import channel
 
 __all__ = ["PersistenceMethods"]
 
 
 class PersistenceMethods(AcceleratorHost):
-    """save_state/load_state, save/save_model, log and trackers, freeing what was prepared."""
-
-    project_name: str  # set by init_trackers
-    config: dict | None
+    """save_state/load_state, save/save_model, freeing what was prepared."""
 
     def _prepared(self) -> Prepared:
         """What a checkpoint saves: the prepared objects (the lists themselves), scaler, device."""
         return Prepared(self._models, self._optimizers, self._schedulers, self._dataloaders,
                         self._custom_objects, self.scaler, self.device)
 
-    def _checkpoint_dir(self, path: Any) -> str:
+    def _checkpoint_dir(self, path: Any, saving: bool) -> str:
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming:
+            if path is not None and saving:  # Accelerate ignores it silently; say so
+                warnings.warn(f"automatic_checkpoint_naming is on: save_state writes under {config.project_dir}"
+                              f"/checkpoints, not {os.fspath(path)}", stacklevel=3)
+            if saving:
+                target = naming.next_checkpoint(config, self.is_main_process)
+                self.wait_for_everyone()  # the oldest are removed before anyone writes
+                return target
+            if path is None:
+                return naming.latest_checkpoint(config)
         if path is not None:
             return os.fspath(path)
         if self.project_dir is None:
@@ -48,14 +55,29 @@ class PersistenceMethods(AcceleratorHost):
     def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
         """Save models, optimizers, schedulers, scaler, every rank's RNG states and data positions.
 
-        Call it on every process (it ends with a barrier). Returns the directory.
+        Call it on every process (it ends with a barrier). Returns the directory. Without a
+        directory it writes ``project_dir/checkpoint``; with ``ProjectConfiguration(
+        automatic_checkpoint_naming=True)``, ``project_dir/checkpoints/checkpoint_<iteration>``,
+        keeping the last ``total_limit``.
         """
-        return files.save_state(self._prepared(), self._checkpoint_dir(output_dir), self.state, self.gradient_state)
+        directory = files.save_state(self._prepared(), self._checkpoint_dir(output_dir, saving=True), self.state,
+                                     self.gradient_state)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+        return directory
 
     def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True, **kwargs: Any) -> None:
-        """Restore what :meth:`save_state` wrote; prepared DataLoaders resume mid-epoch."""
-        files.load_state(self._prepared(), self._checkpoint_dir(input_dir), self.state, self.gradient_state,
-                         strict=strict)
+        """Restore what :meth:`save_state` wrote; prepared DataLoaders resume mid-epoch. With
+        automatic checkpoint naming and no directory, the latest checkpoint, and the next save
+        is numbered after it."""
+        directory = self._checkpoint_dir(input_dir, saving=False)
+        files.load_state(self._prepared(), directory, self.state, self.gradient_state, strict=strict)
+        config = self.project_configuration
+        loaded = naming.number_of(directory) if config.automatic_checkpoint_naming else None
+        if loaded is not None and os.path.dirname(os.path.normpath(directory)) == os.path.join(
+                os.path.normpath(config.project_dir), "checkpoints"):
+            # The next save is numbered after the loaded one (Accelerate would start at 0 again and refuse).
+            config.iteration = max(config.iteration, loaded + 1)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Also save/load these objects (each needs ``state_dict`` and ``load_state_dict``)."""
@@ -102,27 +124,6 @@ class PersistenceMethods(AcceleratorHost):
                 save(state_dict, path)
         self.wait_for_everyone()
         return path
-
-    # -- logging ------------------------------------------------------------------------------
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """Send scalar metrics to the launching cell (every rank sends; the display chooses).
-
-        Outside a launch it does nothing. Tensors are turned into numbers (``.item()``).
-        """
-        channel.log_metrics(values, step)  # a no-op outside a launch
-
-    def init_trackers(self, project_name: str, config: dict | None = None,
-                      init_kwargs: dict | None = None) -> None:
-        """Accepted for compatibility: metrics go to the launching cell, not to trackers."""
-        self.project_name = project_name
-        self.config = config
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> None:
-        return None
-
-    def end_training(self) -> None:
-        self.wait_for_everyone()
 
     def free_memory(self, *objects: Any) -> tuple:
         """Drop references to everything prepared (and empty the CUDA cache)."""

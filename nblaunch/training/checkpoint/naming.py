@@ -1,0 +1,68 @@
+"""Accelerate's automatic checkpoint naming: ``project_dir/checkpoints/checkpoint_<n>``, at most
+``total_limit`` kept, and the latest found again for ``load_state()``.
+
+Example::
+
+    directory = next_checkpoint(config, is_main_process=True)   # .../checkpoints/checkpoint_3
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+
+from nblaunch.training.options.project import ProjectConfiguration
+
+__all__ = ["next_checkpoint", "latest_checkpoint", "number_of"]
+
+
+def _checkpoints_dir(config: ProjectConfiguration) -> str:
+    if config.project_dir is None:
+        raise ValueError("automatic_checkpoint_naming needs a project directory: "
+                         "ProjectConfiguration(project_dir=...) or Accelerator(project_dir=...)")
+    return os.path.join(config.project_dir, "checkpoints")
+
+
+def number_of(directory: str) -> int | None:
+    """The n of ``checkpoint_<n>`` (the last number in the name), None for other names."""
+    found = re.findall(r"([0-9]+)", os.path.basename(os.path.normpath(directory)))
+    return int(found[-1]) if found else None
+
+
+def _numbered(parent: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(parent):
+        return []
+    entries = [(number_of(name), os.path.join(parent, name)) for name in os.listdir(parent)]
+    return sorted((n, path) for n, path in entries if n is not None and os.path.isdir(path))
+
+
+def next_checkpoint(config: ProjectConfiguration, is_main_process: bool) -> str:
+    """The directory the next ``save_state()`` writes. The main process first removes the oldest
+    checkpoints so that, with the new one, ``total_limit`` are kept; the caller waits for it
+    before writing."""
+    parent = _checkpoints_dir(config)
+    target = os.path.join(parent, f"checkpoint_{config.iteration}")
+    if os.path.exists(target):
+        raise ValueError(f"{target} already exists: set ProjectConfiguration(iteration=...) (or "
+                         "accelerator.project_configuration.iteration) to the number the next checkpoint gets")
+    if is_main_process:
+        os.makedirs(parent, exist_ok=True)
+        existing = _numbered(parent)
+        if config.total_limit is not None and len(existing) + 1 > config.total_limit:
+            doomed = existing[:len(existing) + 1 - config.total_limit]
+            warnings.warn(f"total_limit={config.total_limit}: removing {', '.join(path for _, path in doomed)}",
+                          stacklevel=3)
+            for _, path in doomed:
+                shutil.rmtree(path)
+    return target
+
+
+def latest_checkpoint(config: ProjectConfiguration) -> str:
+    """The newest ``checkpoint_<n>`` under ``project_dir/checkpoints``."""
+    parent = _checkpoints_dir(config)
+    existing = _numbered(parent)
+    if not existing:
+        raise FileNotFoundError(f"no checkpoint to load in {parent}: save_state() writes them there")
+    return existing[-1][1]
