@@ -21,7 +21,7 @@ from typing import Any
 __all__ = [
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs", "AutocastKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "GradientAccumulationPlugin", "DDPCommunicationHookType",
-    "adopt", "refuse_unsupported",
+    "KwargsHandler", "PrecisionType", "RNGType", "adopt", "refuse_unsupported",
 ]
 
 
@@ -33,6 +33,39 @@ class DDPCommunicationHookType(str, enum.Enum):
     BF16 = "bf16"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+class PrecisionType(str, enum.Enum):
+    """``mixed_precision`` values, as Accelerate names them (nblaunch refuses FP8)."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [member.value for member in cls]
+
+
+class RNGType(str, enum.Enum):
+    """``rng_types`` values, as Accelerate names them; nblaunch synchronises TORCH, CUDA, XLA
+    and GENERATOR."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    GENERATOR = "generator"
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [member.value for member in cls]
 
 
 @dataclass
@@ -54,7 +87,9 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
 
-class _KwargsHandler:
+class KwargsHandler:
+    """The base of the ``*Kwargs`` handlers (dataclasses whose fields are a call's arguments)."""
+
     def to_kwargs(self) -> dict[str, Any]:
         """The fields that differ from their defaults."""
         default = type(self)()
@@ -63,7 +98,7 @@ class _KwargsHandler:
 
 
 @dataclass
-class DistributedDataParallelKwargs(_KwargsHandler):
+class DistributedDataParallelKwargs(KwargsHandler):
     """Arguments for ``torch.nn.parallel.DistributedDataParallel``, and its communication hook."""
 
     dim: int = 0
@@ -84,7 +119,7 @@ class DistributedDataParallelKwargs(_KwargsHandler):
 
 
 @dataclass
-class GradScalerKwargs(_KwargsHandler):
+class GradScalerKwargs(KwargsHandler):
     """Arguments for ``torch.amp.GradScaler`` (fp16)."""
 
     init_scale: float = 65536.0
@@ -95,13 +130,13 @@ class GradScalerKwargs(_KwargsHandler):
 
 
 @dataclass
-class AutocastKwargs(_KwargsHandler):
+class AutocastKwargs(KwargsHandler):
     enabled: bool = True
     cache_enabled: bool | None = None
 
 
 @dataclass
-class InitProcessGroupKwargs(_KwargsHandler):
+class InitProcessGroupKwargs(KwargsHandler):
     """Arguments for ``torch.distributed.init_process_group``. The backend defaults to what the
     device needs (gloo on CPU, nccl on CUDA); ``timeout`` bounds every collective."""
 
@@ -111,7 +146,7 @@ class InitProcessGroupKwargs(_KwargsHandler):
 
 
 @dataclass
-class ProfileKwargs(_KwargsHandler):
+class ProfileKwargs(KwargsHandler):
     """Arguments for ``torch.profiler.profile`` (``Accelerator.profile``)."""
 
     activities: list | None = None

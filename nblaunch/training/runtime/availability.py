@@ -9,13 +9,22 @@ Example::
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import operator
 
 import torch
+from torch.torch_version import TorchVersion
 
-__all__ = ["is_bf16_available", "is_fp16_available", "is_cuda_available", "is_mps_available", "is_xpu_available",
-           "is_npu_available", "is_mlu_available", "is_hpu_available", "is_torch_xla_available",
-           "is_datasets_available", "is_transformers_available", "is_pytest_available", "is_tqdm_available"]
+__all__ = ["is_bf16_available", "is_fp16_available", "is_fp8_available", "is_cuda_available", "is_mps_available",
+           "is_xpu_available", "is_npu_available", "is_mlu_available", "is_hpu_available", "is_torch_xla_available",
+           "is_datasets_available", "is_transformers_available", "is_pytest_available", "is_tqdm_available",
+           "is_tensorboard_available", "is_wandb_available", "is_mlflow_available", "is_trackio_available",
+           "is_comet_ml_available", "is_aim_available", "is_clearml_available", "is_dvclive_available",
+           "is_swanlab_available", "is_pandas_available", "is_matplotlib_available", "is_rich_available",
+           "is_timm_available", "is_torchvision_available", "is_peft_available", "is_boto3_available",
+           "is_safetensors_available", "is_pynvml_available", "is_triton_available", "is_torchdata_available",
+           "is_deepspeed_available", "is_bnb_available", "is_torch_version", "compare_versions"]
 
 
 def _installed(name: str) -> bool:
@@ -33,6 +42,10 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
 
 def is_fp16_available() -> bool:
     return True  # on the CPU as well (with a GradScaler, as on CUDA)
+
+
+def is_fp8_available() -> bool:
+    return False  # nblaunch's Accelerator has no fp8 (mixed_precision="fp8" is refused)
 
 
 def is_mps_available(min_version: str = "1.12") -> bool:
@@ -73,3 +86,118 @@ def is_pytest_available() -> bool:
 
 def is_tqdm_available() -> bool:
     return _installed("tqdm")
+
+
+# Libraries that are only asked "is it installed?" (none is imported here).
+def is_tensorboard_available() -> bool:
+    return _installed("tensorboard") or _installed("tensorboardX")
+
+
+def is_wandb_available() -> bool:
+    return _installed("wandb")
+
+
+def is_mlflow_available() -> bool:
+    return _installed("mlflow")
+
+
+def is_trackio_available() -> bool:
+    return _installed("trackio")
+
+
+def is_comet_ml_available() -> bool:
+    return _installed("comet_ml")
+
+
+def is_aim_available() -> bool:
+    return _installed("aim")
+
+
+def is_clearml_available() -> bool:
+    return _installed("clearml")
+
+
+def is_dvclive_available() -> bool:
+    return _installed("dvclive")
+
+
+def is_swanlab_available() -> bool:
+    return _installed("swanlab")
+
+
+def is_pandas_available() -> bool:
+    return _installed("pandas")
+
+
+def is_matplotlib_available() -> bool:
+    return _installed("matplotlib")
+
+
+def is_rich_available() -> bool:
+    return _installed("rich")
+
+
+def is_timm_available() -> bool:
+    return _installed("timm")
+
+
+def is_torchvision_available() -> bool:
+    return _installed("torchvision")
+
+
+def is_peft_available() -> bool:
+    return _installed("peft")
+
+
+def is_boto3_available() -> bool:
+    return _installed("boto3")
+
+
+def is_safetensors_available() -> bool:
+    return _installed("safetensors")
+
+
+def is_pynvml_available() -> bool:
+    return _installed("pynvml")
+
+
+def is_triton_available() -> bool:
+    return _installed("triton")
+
+
+def is_torchdata_available() -> bool:
+    return _installed("torchdata")
+
+
+def is_deepspeed_available() -> bool:
+    """Whether DeepSpeed is installed (nblaunch's Accelerator refuses ``deepspeed_plugin``)."""
+    return _installed("deepspeed")
+
+
+def is_bnb_available(min_version: str | None = None) -> bool:
+    return _installed("bitsandbytes") and (min_version is None or compare_versions("bitsandbytes", ">=", min_version))
+
+
+_OPERATIONS = {">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<=": operator.le,
+               "<": operator.lt}
+
+
+def compare_versions(library_or_version: str | TorchVersion, operation: str, requirement_version: str) -> bool:
+    """Compare an installed library's version (by its distribution name) or a version string
+    with ``requirement_version``.
+
+    Example::
+
+        compare_versions("torch", ">=", "2.9")      # True here
+    """
+    if operation not in _OPERATIONS:
+        raise ValueError(f"operation must be one of {', '.join(_OPERATIONS)}, got {operation!r}")
+    version = library_or_version
+    if isinstance(version, str) and not version[:1].isdigit():
+        version = importlib.metadata.version(version)
+    return _OPERATIONS[operation](TorchVersion(str(version)), requirement_version)
+
+
+def is_torch_version(operation: str, version: str) -> bool:
+    """``is_torch_version(">=", "2.9")``: compare the running torch with ``version``."""
+    return compare_versions(torch.__version__, operation, version)

@@ -25,7 +25,8 @@ from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast", "copy_tensor_to_devices",
-           "broadcast_object_list", "synchronize_rng_states", "DistributedOperationException", "ShapeMismatchError"]
+           "broadcast_object_list", "synchronize_rng_state", "synchronize_rng_states", "DistributedOperationException",
+           "ShapeMismatchError"]
 
 _MAX_DIMS = 8  # the shape header holds this many dimensions
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -248,6 +249,12 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
     return broadcast(out, from_process=holders[0])
 
 
+def synchronize_rng_state(rng_type: str | None = None, generator: torch.Generator | None = None) -> None:
+    """:func:`synchronize_rng_states` for one RNG."""
+    if rng_type is not None:
+        synchronize_rng_states([rng_type], generator)
+
+
 def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | None = None) -> None:
     """Give every process rank 0's state of each RNG in ``rng_types``: "torch" (CPU), "cuda"
     (this process's device), "generator" (``generator``), as Accelerate's function of that name.
@@ -260,6 +267,7 @@ def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | No
     if state.num_processes == 1:
         return
     for kind in rng_types:
+        kind = getattr(kind, "value", kind)  # RNGType (ours or Accelerate's) or its string
         if kind == "torch":
             [value] = broadcast_object_list([torch.get_rng_state()])
             torch.set_rng_state(value)
