@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 
 HELLO = """
     import sys
@@ -39,6 +40,12 @@ WAITS_FOREVER = """
         dist.barrier()
         time.sleep(0.05)
 """
+
+
+@pytest.fixture(autouse=True)
+def _no_accelerate_config(tmp_path_factory, monkeypatch):
+    # nblaunch launch reads Accelerate's default config file when there is one: never the user's here.
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
 
 
 def script(tmp_path, name, text):
@@ -132,8 +139,9 @@ def test_what_cannot_run_is_refused_before_anything_starts(tmp_path):
         ("launch", "--num-processes", "2", "missing.py"): "no such script: 'missing.py'",
         ("launch", "--num-processes", "2", "-m", "no_such.module"): "cannot find module 'no_such.module'",
         ("launch", "--use_deepspeed", "hello.py"): "--use_deepspeed is not supported: DeepSpeed",
-        ("launch", "--fsdp_sharding_strategy", "1", "hello.py"): "Accelerator(fsdp_plugin=",
-        ("launch", "--num-processes", "2", "--fsdp_cpu_ram_efficient_loading", "1", "hello.py"): "--fsdp_cpu_ram",
+        ("launch", "--fsdp_sharding_strategy", "1", "hello.py"): "only applies to FSDP: add --use_fsdp",
+        ("launch", "--num-processes", "2", "--use_fsdp", "--fsdp_activation_checkpointing_offload", "1", "hello.py"):
+            "--fsdp_activation_checkpointing_offload false",
         ("launch", "--num-processes", "0", "hello.py"): "must be at least 1, got 0",
         ("launch", "--frobnicate", "hello.py"): "unrecognized option '--frobnicate'",
     }

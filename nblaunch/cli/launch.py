@@ -2,8 +2,9 @@
 script as ``__main__`` under nblaunch's supervision, as a notebook launch runs a function.
 
 The flags a user of ``accelerate launch`` or ``torchrun`` types are understood under their own
-spellings (``--num_processes``, ``--nproc-per-node``, ``--main_process_port``, ...); the ones
-nblaunch has no meaning for are refused by name, with what to do instead.
+spellings (``--num_processes``, ``--nproc-per-node``, ``--main_process_port``, ``--use_fsdp``, ...);
+the ones nblaunch has no meaning for are refused by name, with what to do instead. Accelerate's
+config files are read too (``--config_file``, or its default file): ``cli/accelerate_config``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import importlib.util
 import os
 import sys
 
+from nblaunch.cli.accelerate_config import (FSDP_KEYS, ConfigError, apply_config, config_to_read, read_config,
+                                            visible_devices)
 from nblaunch.cli.args import at_least_one, at_least_zero, processes, seconds
 from nblaunch.cli.outcome import USAGE, launch_in_terminal
 from nblaunch.cli.script import Script
@@ -23,6 +26,12 @@ arguments, RANK/WORLD_SIZE/MASTER_ADDR set, its output tagged with its rank. The
 that fails stops every rank within a second and is named first; Ctrl-C shows where every rank
 was (in the log) and stops them all; the processes never outlive this command.
 
+Options can come from an Accelerate config file (what `accelerate config` writes): --config_file
+PATH, or Accelerate's default file when it exists ($HF_HOME/accelerate/default_config.yaml;
+HF_HOME defaults to ~/.cache/huggingface; not read with --cpu, as accelerate launch). Flags given
+here win over the file. distributed_type FSDP (or --use_fsdp) shards with FSDP2: the fsdp_config
+settings reach every rank's Accelerator.
+
 exit status: 0 every rank succeeded, 1 a rank failed, 2 bad arguments, 124 --timeout ran out,
 130 interrupted."""
 
@@ -30,17 +39,16 @@ _EXAMPLES = """\
 examples:
   nblaunch launch --num-processes 2 train.py --lr 3e-4
   nblaunch launch --nproc-per-node 4 --mixed-precision bf16 -m my_project.train
-  nblaunch launch --num-nodes 2 --node-rank 0 --master-addr 10.0.0.1 --port 29400 train.py"""
+  nblaunch launch --num-nodes 2 --node-rank 0 --master-addr 10.0.0.1 --port 29400 train.py
+  nblaunch launch --config_file fsdp_config.yaml train.py
+  nblaunch launch --num-processes 2 --use_fsdp --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap Block train.py"""
 
 # accelerate launch / torchrun flags with no meaning here, and what to do instead.
 _REFUSED = {
     "--use_deepspeed": "DeepSpeed is not supported by nblaunch",
     "--deepspeed_config_file": "DeepSpeed is not supported by nblaunch",
-    "--use_fsdp": "FSDP is set up in the script: Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))",
     "--use_megatron_lm": "Megatron-LM is not supported by nblaunch",
-    "--config_file": "nblaunch reads no accelerate config file: give the options on the command line",
     "--dynamo_backend": "compile in the script: model = torch.compile(model)",
-    "--gpu_ids": "choose the GPUs with CUDA_VISIBLE_DEVICES=0,1 before the command",
     "--tpu": "on a TPU host nblaunch uses torch_xla by itself; leave the flag out",
     "--rdzv-backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
     "--rdzv_backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
@@ -60,8 +68,21 @@ _REFUSED = {
     "--main_training_function": "the script runs as __main__: call your function there",
     "--debug": "set ACCELERATE_DEBUG_MODE=1 for Accelerate's shape checks (nblaunch checks them always)",
 }
-_REFUSED_PREFIXES = {"--fsdp_": _REFUSED["--use_fsdp"], "--deepspeed": _REFUSED["--use_deepspeed"],
-                     "--megatron_lm": _REFUSED["--use_megatron_lm"]}
+# The FSDP flags --help shows (metavar, help); they take Accelerate's values.
+_FSDP_HELP = {
+    "fsdp_auto_wrap_policy": ("P", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP (default: the whole model "
+                                   "is one unit)"),
+    "fsdp_transformer_layer_cls_to_wrap": ("C", "with TRANSFORMER_BASED_WRAP: the layers' class names, e.g. Block"),
+    "fsdp_min_num_params": ("N", "with SIZE_BASED_WRAP: a module with more parameters is a unit of its own"),
+    "fsdp_reshard_after_forward": ("B", "true (default) or false: keep the gathered parameters until backward"),
+    "fsdp_sharding_strategy": ("S", "FULL_SHARD (default) or SHARD_GRAD_OP"),
+    "fsdp_offload_params": ("B", "true: parameters, gradients and optimizer state on the CPU"),
+    "fsdp_state_dict_type": ("T", "SHARDED_STATE_DICT or FULL_STATE_DICT"),
+    "fsdp_sync_module_states": ("B", "true: every rank starts from rank 0's weights"),
+    "fsdp_activation_checkpointing": ("B", "true: each wrapped layer recomputes its activations in backward"),
+    "fsdp_ignored_modules": ("RE", "modules whose names match are not sharded"),
+}
+_REFUSED_PREFIXES = {"--deepspeed": _REFUSED["--use_deepspeed"], "--megatron_lm": _REFUSED["--use_megatron_lm"]}
 
 
 class _Refuse(argparse.Action):
@@ -76,13 +97,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add = launch.add_argument
     add("--num-processes", "--num_processes", "--nproc-per-node", "--nproc_per_node", type=processes,
         default=None, metavar="N", help="processes on this machine (default, or gpu/auto: one per GPU, or 2 on the CPU where there is none)")
-    add("--mixed-precision", "--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
+    # Defaults None: a flag not given leaves the config file's value (apply_config fills the rest).
+    add("--mixed-precision", "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
         help="handed to every rank's Accelerator (default: no)")
-    add("--num-nodes", "--num_machines", "--nnodes", type=at_least_one, default=1, metavar="K",
+    add("--num-nodes", "--num_machines", "--nnodes", type=at_least_one, default=None, metavar="K",
         help="machines taking part (default: 1)")
-    add("--node-rank", "--machine_rank", "--node_rank", type=at_least_zero, default=0, metavar="R",
+    add("--node-rank", "--machine_rank", "--node_rank", type=at_least_zero, default=None, metavar="R",
         help="this machine's number, 0 to K-1 (default: 0)")
-    add("--master-addr", "--main_process_ip", "--master_addr", default="127.0.0.1", metavar="A",
+    add("--master-addr", "--main_process_ip", "--master_addr", default=None, metavar="A",
         help="address of node 0 (default: 127.0.0.1)")
     add("--port", "--main_process_port", "--master_port", "--master-port", type=int, default=None, metavar="P",
         help="port of the rendezvous on node 0 (default: a free one; give it with --num-nodes > 1)")
@@ -101,6 +123,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="accepted for torchrun: one machine and a free port are already the default")
     add("-m", "--module", action="store_true",
         help="the script is a module name, run as python -m would (e.g. -m my_project.train)")
+    add("--config_file", "--config-file", default=None, metavar="PATH",
+        help="an Accelerate config file (YAML, or .json) to take the options from (default: Accelerate's "
+             "default file, if there is one)")
+    add("--gpu_ids", "--gpu-ids", default=None, metavar="IDS",
+        help="the GPUs to use, e.g. 0,1 (as CUDA_VISIBLE_DEVICES=0,1; default: all)")
+    fsdp = launch.add_argument_group("FSDP (accelerate launch's flags; FSDP2 underneath)")
+    fsdp.add_argument("--use_fsdp", "--use-fsdp", action="store_true",
+                      help="shard models with FSDP: every rank's Accelerator() gets the settings below")
+    for key in FSDP_KEYS:  # all of accelerate launch's; the ones --help leaves out do nothing here, or are refused
+        fsdp.add_argument(f"--{key}", default=None, metavar=_FSDP_HELP.get(key, ("V",))[0],
+                          help=_FSDP_HELP[key][1] if key in _FSDP_HELP else argparse.SUPPRESS)
     for flag in _REFUSED:
         add(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
     add("script", metavar="script.py", help="the training script (or, with -m, a module)")
@@ -134,8 +167,24 @@ def run(options: argparse.Namespace) -> int:
     if problem:
         print(f"nblaunch launch: {problem}", file=sys.stderr)
         return USAGE
+    try:
+        path = config_to_read(options.config_file, options.cpu)
+        config = read_config(path) if path else None
+        rank_environ = apply_config(options, config)
+        devices = visible_devices(options.gpu_ids, options.cpu, options.cluster,
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ConfigError as error:
+        print(f"nblaunch launch: {error}", file=sys.stderr)
+        return USAGE
+    if config is not None:
+        print(f"nblaunch: options from Accelerate's config {path} (flags given here win)", flush=True)
+        if config.unknown:
+            print(f"nblaunch launch: warning: {path} has keys nblaunch does not know, ignored: "
+                  f"{', '.join(config.unknown)}", file=sys.stderr, flush=True)
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the launch counts the GPUs; the ranks inherit it
     _, status = launch_in_terminal(
-        "launch", Script(options.script, options.script_args, options.module), (),
+        "launch", Script(options.script, options.script_args, options.module, rank_environ), (),
         num_processes=options.num_processes, mixed_precision=options.mixed_precision,
         num_nodes=options.num_nodes, node_rank=options.node_rank, master_addr=options.master_addr,
         use_port=options.port, cluster=options.cluster, timeout=options.timeout,

@@ -19,17 +19,22 @@ class Script:
     """A script and its arguments as the function a launch runs; named after the script in the
     launch's lines (``nblaunch: train.py on 2 processes ...``). Picklable, for spawned ranks.
     Paths are taken from the launcher's directory, also for ranks that start elsewhere (Ray).
+    ``environ`` is added to each rank's environment before the script starts (``--use_fsdp``'s
+    ``FSDP_*`` variables): it travels with the script, so ranks on other machines get it too.
 
     Example::
 
         notebook_launcher(Script("train.py", ["--lr", "3e-4"]), num_processes=2)
     """
 
-    def __init__(self, target: str, script_args: list[str], as_module: bool = False) -> None:
+    def __init__(self, target: str, script_args: list[str], as_module: bool = False,
+                 environ: dict[str, str] | None = None) -> None:
         self.target, self.script_args, self.as_module, self.cwd = target, list(script_args), as_module, os.getcwd()
+        self.environ = dict(environ or {})
         self.__qualname__ = f"-m {target}" if as_module else os.path.basename(target)
 
     def __call__(self) -> None:
+        os.environ.update(self.environ)
         target = self.target
         if not self.as_module and os.getcwd() != self.cwd:  # a rank started elsewhere (Ray)
             target = os.path.join(self.cwd, target)

@@ -233,7 +233,6 @@ def test_sync_module_states_starts_every_rank_from_rank_0s_weights_and_ignored_m
 
 @pytest.mark.parametrize("options, error, match", [
     ({"param_init_fn": lambda m: None}, NotImplementedError, "param_init_fn"),
-    ({"cpu_ram_efficient_loading": True}, NotImplementedError, "cpu_ram_efficient_loading"),
     ({"sharding_strategy": "NO_SHARD"}, NotImplementedError, "NO_SHARD is DDP"),
     ({"sharding_strategy": "HYBRID_SHARD"}, NotImplementedError, "HYBRID_SHARD"),
     ({"state_dict_type": "LOCAL_STATE_DICT"}, NotImplementedError, "LOCAL_STATE_DICT"),

@@ -36,6 +36,7 @@ from nblaunch.training.accelerator.tracking import TrackingMethods
 from nblaunch.training.accelerator.training_step import TrainingStepMethods
 from nblaunch.training.model.placement import ReplacedParameters
 from nblaunch.training.model.precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
+from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin, sharding_settings
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                               GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
@@ -87,7 +88,9 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         rng_types: RNGs given rank 0's state at the start of every epoch of a prepared loader
             (Accelerate's; default ``["generator"]``, the shuffle's own generator).
         fsdp_plugin: a :class:`~nblaunch.utils.FullyShardedDataParallelPlugin` (or Accelerate's):
-            ``prepare`` shards models with FSDP2 instead of wrapping them in DDP.
+            ``prepare`` shards models with FSDP2 instead of wrapping them in DDP. None reads
+            ``ACCELERATE_USE_FSDP`` and ``FSDP_*``, as Accelerate does (``nblaunch launch --use_fsdp``,
+            a config file's ``fsdp_config``, ``accelerate launch --use_fsdp``).
 
     Example::
 
@@ -131,6 +134,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.mixed_precision = resolve_mixed_precision(mixed_precision)
         check_supported(self.mixed_precision, self.device)
         self._autocast_dtype = autocast_dtype(self.mixed_precision)
+        if fsdp_plugin is None:
+            fsdp_plugin = fsdp_plugin_from_environment()  # None unless the launch asked for FSDP
         self.fsdp_plugin = fsdp_plugin
         self._sharding = None
         if fsdp_plugin is not None:

@@ -40,8 +40,10 @@ class FullyShardedDataParallelPlugin:
     (it prefetches and keeps the original parameters itself): ``fsdp_version``,
     ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``,
     ``state_dict_type`` (full or sharded), ``state_dict_config``, ``optim_state_dict_config``.
-    Refused with an error: the rest (``param_init_fn``, ``cpu_ram_efficient_loading``,
-    ``activation_checkpointing_offload``, hybrid and no sharding, local state dicts).
+    ``cpu_ram_efficient_loading`` means ``sync_module_states``: every rank loads the weights and
+    rank 0's are copied to the others (the same weights as Accelerate's, without its memory saving).
+    Refused with an error: the rest (``param_init_fn``, ``activation_checkpointing_offload``,
+    hybrid and no sharding, local state dicts).
     """
 
     fsdp_version: int | None = None
@@ -130,11 +132,12 @@ def sharding_settings(plugin: Any, mixed_precision: str) -> ShardingSettings:
         raise NotImplementedError("FullyShardedDataParallelPlugin(param_init_fn=...) is not supported by nblaunch: "
                                   "build the model on the CPU on every rank (sync_module_states=True copies "
                                   "rank 0's weights)")
-    for name, why in (("cpu_ram_efficient_loading", "load the weights on every rank, or on rank 0 with "
-                                                    "sync_module_states=True"),
-                      ("activation_checkpointing_offload", "use activation_checkpointing=True alone")):
-        if read(name, None):
-            raise NotImplementedError(f"FullyShardedDataParallelPlugin({name}=...) is not supported by nblaunch: {why}")
+    if read("activation_checkpointing_offload", None):
+        raise NotImplementedError("FullyShardedDataParallelPlugin(activation_checkpointing_offload=...) is not "
+                                  "supported by nblaunch: use activation_checkpointing=True alone")
+    # Accelerate's default answer in `accelerate config`: only rank 0 loads the weights. Here every
+    # rank loads them and rank 0's are copied to the others: the same weights, not the memory saving.
+    sync_module_states = bool(read("sync_module_states", None) or read("cpu_ram_efficient_loading", None))
     state_dict_type = _name_of(read("state_dict_type", None))
     if state_dict_type not in (None, "FULL_STATE_DICT", "SHARDED_STATE_DICT", "1", "3"):
         raise NotImplementedError(f"FullyShardedDataParallelPlugin(state_dict_type={state_dict_type!r}) is not "
@@ -150,7 +153,7 @@ def sharding_settings(plugin: Any, mixed_precision: str) -> ShardingSettings:
         reshard_after_forward=_reshard(read("reshard_after_forward", None), read("sharding_strategy", None)),
         **policy, cpu_offload=_offload(read("cpu_offload", None)), wrap=wrap,
         ignored_modules=read("ignored_modules", None) or None,
-        sync_module_states=bool(read("sync_module_states", None)), activation_checkpointing=checkpointing)
+        sync_module_states=sync_module_states, activation_checkpointing=checkpointing)
 
 
 def _name_of(value: Any) -> str | None:
