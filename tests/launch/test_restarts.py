@@ -91,7 +91,7 @@ def _train(checkpoint: str, crash_at_epoch: int | None):
     loader = DataLoader(data, batch_size=4, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     first_epoch = 0
-    if os.path.exists(os.path.join(checkpoint, "model.bin")):
+    if os.path.exists(os.path.join(checkpoint, "optimizer.bin")):
         accelerator.load_state(checkpoint)
         first_epoch = loader.epoch
     for epoch in range(first_epoch, 3):

@@ -1,5 +1,6 @@
 """save_state / load_state: a run stopped mid-epoch and resumed in a fresh launch ends with the
-same weights, and sees the same batches, as an uninterrupted run."""
+same weights, and sees the same batches, as an uninterrupted run; the files are Accelerate's
+(tied weights written once), and a checkpoint that does not fit says what to do."""
 
 import os
 
@@ -112,9 +113,10 @@ def _resume(ckpt, dispatch):
 def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path, processes, dispatch):
     ckpt = str(tmp_path / "ckpt")
     full = launch(_first_run, ckpt, dispatch, num_processes=processes)
-    assert sorted(os.listdir(ckpt)) == sorted(
-        ["custom_checkpoint_0.pkl", "model.bin", "optimizer.bin", "scaler.pt", "scheduler.bin"]
-        + [f"rank_{r}.pkl" for r in range(processes)])
+    assert sorted(os.listdir(ckpt)) == sorted(  # Accelerate's layout, and nblaunch's data positions
+        ["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "scaler.pt", "scheduler.bin"]
+        + [f"random_states_{r}.pkl" for r in range(processes)]
+        + [f"nblaunch_positions_{r}.pkl" for r in range(processes)])
     resumed = launch(_resume, ckpt, dispatch, num_processes=processes)
     for rank in range(processes):
         expected = full[rank]
@@ -135,3 +137,59 @@ def test_save_model_writes_unwrapped_weights(tmp_path):
     path = acc.save_model(model, tmp_path / "out", safe_serialization=False)
     state = torch.load(path) if path.endswith(".bin") else __import__("safetensors.torch").torch.load_file(path)
     assert set(state) == {"weight", "bias"} and torch.equal(state["weight"], model.weight.detach())
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: one tensor under two names
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_tied_weights_are_written_once_and_come_back_tied(tmp_path, safe):
+    if safe:
+        pytest.importorskip("safetensors")
+    acc = Accelerator()
+    model = acc.prepare(TiedLM())
+    acc.save_state(tmp_path, safe_serialization=safe)
+    name = "model.safetensors" if safe else "pytorch_model.bin"
+    assert name in os.listdir(tmp_path)
+    if safe:  # safetensors refuses shared memory: one name holds it, as in Accelerate's files
+        from safetensors.torch import load_file, load_model
+        assert list(load_file(tmp_path / name)) == ["embed.weight"]
+        load_model(TiedLM(), tmp_path / name)  # what Accelerate's load_state reads it with
+    again = Accelerator()
+    fresh = again.prepare(TiedLM())
+    again.load_state(tmp_path)
+    assert torch.equal(fresh.embed.weight, model.embed.weight) and fresh.head.weight is fresh.embed.weight
+
+
+def test_a_directory_without_the_weights_says_what_it_holds(tmp_path):
+    acc = Accelerator()
+    acc.prepare(torch.nn.Linear(2, 2))
+    (tmp_path / "rank_0.pkl").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors or pytorch_model.bin .*rank_0.pkl"):
+        acc.load_state(tmp_path)
+
+
+def test_registered_objects_must_match_the_checkpoints(tmp_path):
+    acc = Accelerator()
+    acc.prepare(torch.nn.Linear(2, 2))
+    acc.register_for_checkpointing(Counter())
+    acc.save_state(tmp_path)
+    again = Accelerator()
+    again.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="holds 1 registered objects' states, 0 objects are registered"):
+        again.load_state(tmp_path)
+
+
+def test_a_stateful_loader_position_nblaunch_cannot_read_is_named(tmp_path):
+    acc = Accelerator()
+    acc.prepare(torch.nn.Linear(2, 2), DataLoader(list(range(8)), batch_size=2))
+    acc.save_state(tmp_path)
+    os.remove(tmp_path / "nblaunch_positions_0.pkl")  # as Accelerate writes it, with a StatefulDataLoader
+    torch.save({"_num_yielded": 2}, tmp_path / "dl_state_dict.bin")
+    with pytest.warns(UserWarning, match="skip_first_batches"):
+        acc.load_state(tmp_path)

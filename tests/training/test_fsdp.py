@@ -150,8 +150,8 @@ def test_save_load_and_continue_equals_the_uninterrupted_run(ddp_and_fsdp, launc
     _, fsdp, _ = ddp_and_fsdp
     checkpoint = str(tmp_path / "checkpoint")
     first = launch(train, BLOCKS, "no", 6, checkpoint)  # after 3 of 4 optimizer steps, mid-epoch
-    assert os.path.isdir(os.path.join(checkpoint, "sharded_model"))
-    assert os.path.isdir(os.path.join(checkpoint, "sharded_optimizer"))
+    assert os.path.isdir(os.path.join(checkpoint, "pytorch_model_fsdp_0"))  # Accelerate's names
+    assert os.path.isdir(os.path.join(checkpoint, "optimizer_0"))
     resumed = launch(train, BLOCKS, "no", None, None, checkpoint)
     for rank in (0, 1):
         assert first[rank]["losses"] + resumed[rank]["losses"] == pytest.approx(fsdp[rank]["losses"], abs=1e-6)

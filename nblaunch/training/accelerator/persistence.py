@@ -52,8 +52,10 @@ class PersistenceMethods(AcceleratorHost):
             raise ValueError("give a directory, or Accelerator(project_dir=...)")
         return os.path.join(self.project_dir, "checkpoint")
 
-    def save_state(self, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
-        """Save models, optimizers, schedulers, scaler, every rank's RNG states and data positions.
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+                   **kwargs: Any) -> str:
+        """Save models, optimizers, schedulers, scaler, every rank's RNG states and data positions,
+        in Accelerate's layout (``safe_serialization=False``: ``pytorch_model.bin``, not safetensors).
 
         Call it on every process (it ends with a barrier). Returns the directory. Without a
         directory it writes ``project_dir/checkpoint``; with ``ProjectConfiguration(
@@ -61,7 +63,7 @@ class PersistenceMethods(AcceleratorHost):
         keeping the last ``total_limit``.
         """
         directory = files.save_state(self._prepared(), self._checkpoint_dir(output_dir, saving=True), self.state,
-                                     self.gradient_state)
+                                     self.gradient_state, safe_serialization=safe_serialization)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return directory

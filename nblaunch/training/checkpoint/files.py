@@ -1,34 +1,47 @@
-"""``save_state`` / ``load_state``: everything needed to resume a run where it stopped.
+"""``save_state`` / ``load_state``: everything needed to resume a run where it stopped, in
+Accelerate's layout, so that Accelerate's ``load_state`` reads a checkpoint nblaunch wrote and
+nblaunch's reads one Accelerate wrote (names in :mod:`~nblaunch.training.checkpoint.layout`).
 
-Layout of a checkpoint directory (files of the main process unless marked per rank)::
+A checkpoint directory (files of the main process unless marked per rank)::
 
-    model.bin, model_1.bin, ...          state dicts of the unwrapped models
+    model.safetensors, model_1.safetensors, ...   state dicts of the unwrapped models (tied
+                                                  weights once); pytorch_model.bin, ... without
+                                                  safetensors or with safe_serialization=False
     optimizer.bin, optimizer_1.bin, ...
     scheduler.bin, ...
-    scaler.pt                            the fp16 GradScaler
-    custom_checkpoint_0.pkl, ...         objects passed to register_for_checkpointing
-    rank_{r}.pkl                         per rank: RNG states, data positions, accumulation step
-    sharded_model/, sharded_optimizer/   a sharded (FSDP) model and its optimizer, instead of
-                                         model.bin/optimizer.bin: every rank writes its shards
-                                         through torch.distributed.checkpoint
+    scaler.pt                                     the fp16 GradScaler
+    custom_checkpoint_0.pkl, ...                  objects passed to register_for_checkpointing
+    random_states_{r}.pkl                         per rank: RNG states and accumulation step,
+                                                  Accelerate's format (torch.save of a dict)
+    nblaunch_positions_{r}.pkl                    per rank, nblaunch only: the data position of
+                                                  every prepared DataLoader
+    pytorch_model_fsdp_{i}/, optimizer_{i}/       a sharded (FSDP) model and its optimizer, instead
+                                                  of the files above: every rank writes its shards
+                                                  through torch.distributed.checkpoint, keys
+                                                  "model.<name>" / "optimizer.<...>" (Accelerate's
+                                                  SHARDED_STATE_DICT)
 
-The data position of every prepared DataLoader (epoch, shuffle seed, batches consumed) is
-restored too, so the next ``for batch in loader`` continues the interrupted epoch exactly.
+The data position (epoch, shuffle position, batches consumed) is restored too, so the next
+``for batch in loader`` continues the interrupted epoch exactly. A checkpoint Accelerate wrote
+has none: the loaders start their epoch 0 as Accelerate's do, and ``skip_first_batches`` skips
+what was used, as in Accelerate's examples.
 
 On XLA every rank first runs its pending graph (``torch_xla.sync()``), then the main rank copies
 the tensors to the CPU and writes them (``xm.save``'s way), so a checkpoint loads without
-torch_xla; the rank files also hold each device's XLA RNG seed.
+torch_xla; the random states also hold each device's XLA RNG seed.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from nblaunch.training.checkpoint import layout
 from nblaunch.training.checkpoint.record import Prepared
 from nblaunch.training.model.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
 from nblaunch.training.model.unwrap import unwrap_model
@@ -41,10 +54,6 @@ if TYPE_CHECKING:
     from nblaunch.training.step.gradient_state import GradientState
 
 __all__ = ["save_state", "load_state", "host_saver"]
-
-
-def _name(stem: str, i: int, ext: str) -> str:
-    return f"{stem}.{ext}" if i == 0 else f"{stem}_{i}.{ext}"
 
 
 def host_saver(state: PartialState) -> Callable[[Any, Any], None]:
@@ -75,10 +84,6 @@ def _cpu_copy(data: Any) -> Any:
     return recursively_apply(lambda t: t.cpu() if t.device.type == "xla" else t, data)
 
 
-def _sharded_dir(output_dir: str, stem: str, i: int) -> str:
-    return os.path.join(output_dir, f"sharded_{stem}" if i == 0 else f"sharded_{stem}_{i}")
-
-
 def _optimizer_owners(prepared: Prepared) -> list[torch.nn.Module | None]:
     """For each prepared optimizer, the sharded model it trains (None: it trains none)."""
     return [sharded_model_of(prepared.models, opt.optimizer) for opt in prepared.optimizers]
@@ -89,33 +94,38 @@ def _save_sharded(prepared: Prepared, output_dir: str, owners: list[torch.nn.Mod
     import torch.distributed.checkpoint as dcp  # deferred: ~50 ms to import, for sharded models only
     for i, model in enumerate(prepared.models):
         if is_sharded(model):
-            dcp.save(sharded_state(model), checkpoint_id=_sharded_dir(output_dir, "model", i))
+            path = os.path.join(output_dir, layout.sharded_model_dir(i))
+            dcp.save({"model": sharded_state(model)}, checkpoint_id=path)
     for i, (opt, model) in enumerate(zip(prepared.optimizers, owners)):
         if model is not None:
-            dcp.save(sharded_state(model, opt.optimizer), checkpoint_id=_sharded_dir(output_dir, "optimizer", i))
+            path = os.path.join(output_dir, layout.sharded_optimizer_dir(i))
+            dcp.save({"optimizer": sharded_state(model, opt.optimizer)}, checkpoint_id=path)
 
 
 def _load_sharded(prepared: Prepared, input_dir: str, strict: bool, owners: list[torch.nn.Module | None]) -> None:
     import torch.distributed.checkpoint as dcp  # deferred: ~50 ms to import, for sharded models only
     for i, model in enumerate(prepared.models):
         if is_sharded(model):
-            path = _sharded_dir(input_dir, "model", i)
+            path = os.path.join(input_dir, layout.sharded_model_dir(i))
             if not os.path.isdir(path):
-                raise FileNotFoundError(f"{input_dir!r} has no {os.path.basename(path)}/: it was saved from a model "
-                                        "that was not sharded (no fsdp_plugin, or one process); load it the same way")
-            state = sharded_state(model)
+                raise FileNotFoundError(
+                    f"{input_dir!r} has no {os.path.basename(path)}/: it was saved from a model that was not "
+                    "sharded (no fsdp_plugin, one process, or Accelerate's FULL_STATE_DICT); load it the same "
+                    "way, or save with state_dict_type SHARDED_STATE_DICT")
+            state = {"model": sharded_state(model)}
             dcp.load(state, checkpoint_id=path)
-            load_sharded_state(model, state, strict=strict)
+            load_sharded_state(model, state["model"], strict=strict)
     for i, (opt, model) in enumerate(zip(prepared.optimizers, owners)):
         if model is not None:
-            state = sharded_state(model, opt.optimizer)
-            dcp.load(state, checkpoint_id=_sharded_dir(input_dir, "optimizer", i))
-            load_sharded_state(model, state, optimizer=opt.optimizer)
+            state = {"optimizer": sharded_state(model, opt.optimizer)}
+            dcp.load(state, checkpoint_id=os.path.join(input_dir, layout.sharded_optimizer_dir(i)))
+            load_sharded_state(model, state["optimizer"], optimizer=opt.optimizer)
 
 
 def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: PartialState,
-               gradient_state: GradientState) -> str:
+               gradient_state: GradientState, safe_serialization: bool = True) -> str:
     """Write ``prepared`` to ``output_dir`` (see the module docstring); call it on every rank.
+    ``safe_serialization=False`` writes the weights with torch.save (``pytorch_model.bin``).
     Returns the directory.
 
     Example (what ``Accelerator.save_state`` does)::
@@ -132,30 +142,29 @@ def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: Partial
     save = host_saver(state)
     owners = _optimizer_owners(prepared)
     _save_sharded(prepared, output_dir, owners)
+    os.makedirs(output_dir, exist_ok=True)  # every rank: a per-node disk has no main process writing it
     if state.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
         for i, model in enumerate(prepared.models):
             if not is_sharded(model):
-                save(unwrap_model(model).state_dict(), os.path.join(output_dir, _name("model", i, "bin")))
+                weights = unwrap_model(model).state_dict()
+                if state.distributed_type is DistributedType.XLA:
+                    weights = _cpu_copy(weights)
+                layout.write_weights(weights, output_dir, i, save, safe_serialization)
         for i, (opt, owner) in enumerate(zip(prepared.optimizers, owners)):
             if owner is None:
-                save(opt.optimizer.state_dict(), os.path.join(output_dir, _name("optimizer", i, "bin")))
+                save(opt.optimizer.state_dict(), os.path.join(output_dir, layout.optimizer_name(i)))
         for i, sched in enumerate(prepared.schedulers):
-            save(sched.scheduler.state_dict(), os.path.join(output_dir, _name("scheduler", i, "bin")))
+            save(sched.scheduler.state_dict(), os.path.join(output_dir, layout.scheduler_name(i)))
         if prepared.scaler is not None:
-            save(prepared.scaler.state_dict(), os.path.join(output_dir, "scaler.pt"))
+            save(prepared.scaler.state_dict(), os.path.join(output_dir, layout.SCALER_NAME))
         for i, obj in enumerate(prepared.custom_objects):
-            save(obj.state_dict(), os.path.join(output_dir, f"custom_checkpoint_{i}.pkl"))
-    else:
-        os.makedirs(output_dir, exist_ok=True)  # a per-node disk has no main process writing it
-    rank_state = {
-        "rng": rng,
-        "dataloaders": [loader.state_dict() for loader in prepared.dataloaders],
-        "step": gradient_state.step,
-        "num_processes": state.num_processes,
-    }
-    with open(os.path.join(output_dir, f"rank_{state.process_index}.pkl"), "wb") as f:
-        pickle.dump(rank_state, f)
+            save(obj.state_dict(), os.path.join(output_dir, layout.custom_name(i)))
+    rank = state.process_index
+    torch.save(layout.random_states(rng, gradient_state.step), os.path.join(output_dir, layout.random_states_name(rank)))
+    positions = {"num_processes": state.num_processes,
+                 "dataloaders": [loader.state_dict() for loader in prepared.dataloaders]}
+    with open(os.path.join(output_dir, layout.positions_name(rank)), "wb") as f:
+        pickle.dump(positions, f)
     state.wait_for_everyone()  # nobody reads the checkpoint before it is complete
     if "xla" in rng:
         # Undo what this function's syncs did to the XLA seed: the run goes on with the random
@@ -168,51 +177,82 @@ def _load(path: str, map_location: Any) -> Any:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+def _load_weights(model: torch.nn.Module, input_dir: str, i: int, strict: bool) -> None:
+    weights = layout.read_weights(input_dir, i)
+    if weights is None:
+        if os.path.isdir(os.path.join(input_dir, layout.sharded_model_dir(i))):
+            raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with fsdp_plugin on several "
+                                    "ranks): load it the same way")
+        raise FileNotFoundError(
+            f"{input_dir!r} has no {layout.weights_name(i, safe=True)} or {layout.weights_name(i, safe=False)} "
+            f"for prepared model {i} (it holds {sorted(os.listdir(input_dir))}): give the directory save_state "
+            "wrote, and prepare as many models as that run did")
+    layout.load_weights(unwrap_model(model), weights, strict=strict)
+
+
 def load_state(prepared: Prepared, input_dir: str | os.PathLike, state: PartialState,
                gradient_state: GradientState, strict: bool = True) -> None:
-    """Restore what :func:`save_state` wrote into ``prepared`` (the same objects, prepared in the
-    same order); prepared DataLoaders resume mid-epoch."""
+    """Restore what :func:`save_state` (or Accelerate's ``save_state``) wrote into ``prepared``
+    (the same objects, prepared in the same order); prepared DataLoaders resume mid-epoch when
+    the checkpoint has their positions (nblaunch's)."""
     input_dir = os.fspath(input_dir)
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"checkpoint directory {input_dir!r} does not exist")
+    custom = [f for f in os.listdir(input_dir) if re.match(layout.CUSTOM_PATTERN, f)]
+    if len(custom) != len(prepared.custom_objects):
+        raise ValueError(f"{input_dir!r} holds {len(custom)} registered objects' states, "
+                         f"{len(prepared.custom_objects)} objects are registered: register_for_checkpointing "
+                         "the same objects, in the same order, as the run that saved it")
     owners = _optimizer_owners(prepared)
     _load_sharded(prepared, input_dir, strict, owners)
     for i, model in enumerate(prepared.models):
         if not is_sharded(model):
-            path = os.path.join(input_dir, _name("model", i, "bin"))
-            if not os.path.exists(path) and os.path.isdir(_sharded_dir(input_dir, "model", i)):
-                raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with fsdp_plugin on several "
-                                        "ranks): load it the same way")
-            sd = _load(path, "cpu")
-            unwrap_model(model).load_state_dict(sd, strict=strict)
+            _load_weights(model, input_dir, i, strict)
     for i, (opt, owner) in enumerate(zip(prepared.optimizers, owners)):
         if owner is None:
             # Optimizer.load_state_dict moves the state onto each parameter's device.
-            opt.optimizer.load_state_dict(_load(os.path.join(input_dir, _name("optimizer", i, "bin")), "cpu"))
+            opt.optimizer.load_state_dict(_load(os.path.join(input_dir, layout.optimizer_name(i)), "cpu"))
     for i, sched in enumerate(prepared.schedulers):
-        sched.scheduler.load_state_dict(_load(os.path.join(input_dir, _name("scheduler", i, "bin")), "cpu"))
-    scaler_path = os.path.join(input_dir, "scaler.pt")
+        sched.scheduler.load_state_dict(_load(os.path.join(input_dir, layout.scheduler_name(i)), "cpu"))
+    scaler_path = os.path.join(input_dir, layout.SCALER_NAME)
     if prepared.scaler is not None and os.path.exists(scaler_path):
         prepared.scaler.load_state_dict(_load(scaler_path, "cpu"))
     for i, obj in enumerate(prepared.custom_objects):
-        obj.load_state_dict(_load(os.path.join(input_dir, f"custom_checkpoint_{i}.pkl"), prepared.device))
-    rank_path = os.path.join(input_dir, f"rank_{state.process_index}.pkl")
-    if not os.path.exists(rank_path):
-        warnings.warn(f"{rank_path} is missing (saved with fewer processes?): this rank's random "
-                      "states and data positions are not restored", stacklevel=3)
+        obj.load_state_dict(_load(os.path.join(input_dir, layout.custom_name(i)), prepared.device))
+    _load_rank_files(prepared, input_dir, state, gradient_state)
+
+
+def _load_rank_files(prepared: Prepared, input_dir: str, state: PartialState, gradient_state: GradientState) -> None:
+    """This rank's random states and accumulation step, then its loaders' positions if saved."""
+    rng_path = os.path.join(input_dir, layout.random_states_name(state.process_index))
+    if not os.path.exists(rng_path):
+        warnings.warn(f"{rng_path} is missing (saved with fewer processes?): this rank's random "
+                      "states and data positions are not restored", stacklevel=4)
         return
-    with open(rank_path, "rb") as f:
-        rank_state = pickle.load(f)
-    if rank_state.get("num_processes") != state.num_processes:
-        warnings.warn(f"checkpoint saved with {rank_state.get('num_processes')} processes, loading "
-                      f"with {state.num_processes}: data positions are not restored", stacklevel=3)
-    else:
-        positions = rank_state["dataloaders"]
-        if len(positions) != len(prepared.dataloaders):
-            warnings.warn(f"checkpoint has {len(positions)} DataLoader positions, "
-                          f"{len(prepared.dataloaders)} DataLoaders are prepared: restoring in order",
-                          stacklevel=3)
-        for loader, position in zip(prepared.dataloaders, positions):
-            loader.load_state_dict(position)
-    gradient_state.step = rank_state.get("step", 0)
-    set_rng_states(rank_state["rng"], state.device)
+    rng, step = layout.from_random_states(_load(rng_path, "cpu"))
+    positions_path = os.path.join(input_dir, layout.positions_name(state.process_index))
+    if os.path.exists(positions_path):  # nblaunch's; Accelerate's checkpoints have none
+        with open(positions_path, "rb") as f:
+            _restore_positions(prepared, pickle.load(f), state)
+    elif prepared.dataloaders and any(re.match(layout.ACCELERATE_POSITION_PATTERN, f) for f in os.listdir(input_dir)):
+        # Code written for a StatefulDataLoader expects load_state to resume it, and would silently
+        # start the epoch again.
+        warnings.warn(f"{input_dir!r} holds Accelerate's StatefulDataLoader or sampler state (dl_state_dict.bin, "
+                      "sampler.bin), which nblaunch does not read: the prepared DataLoaders start at their epoch 0. "
+                      "Skip what the interrupted epoch used with accelerator.skip_first_batches(loader, n)",
+                      stacklevel=4)
+    gradient_state.step = step % gradient_state.num_steps
+    set_rng_states(rng, state.device)
+
+
+def _restore_positions(prepared: Prepared, saved: dict, state: PartialState) -> None:
+    if saved.get("num_processes") != state.num_processes:
+        warnings.warn(f"checkpoint saved with {saved.get('num_processes')} processes, loading "
+                      f"with {state.num_processes}: data positions are not restored", stacklevel=5)
+        return
+    positions = saved["dataloaders"]
+    if len(positions) != len(prepared.dataloaders):
+        warnings.warn(f"checkpoint has {len(positions)} DataLoader positions, "
+                      f"{len(prepared.dataloaders)} DataLoaders are prepared: restoring in order", stacklevel=5)
+    for loader, position in zip(prepared.dataloaders, positions):
+        loader.load_state_dict(position)

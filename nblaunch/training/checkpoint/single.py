@@ -1,13 +1,16 @@
-"""``accelerate.utils.save``: one object to one file, written once per run (or once per node).
+"""``accelerate.utils.save`` and ``load``: one object to one file, written once per run (or
+once per node), and read back safely.
 
 Example::
 
-    from nblaunch.utils import save
+    from nblaunch.utils import load, save
     save(model.state_dict(), "weights.safetensors", safe_serialization=True)  # call on every rank
+    state = load("optimizer.bin", map_location="cpu")
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Callable
 
 import torch
@@ -15,7 +18,7 @@ import torch
 from nblaunch.training.checkpoint.files import host_saver
 from nblaunch.training.runtime.state import PartialState
 
-__all__ = ["save"]
+__all__ = ["save", "load"]
 
 
 def save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
@@ -46,3 +49,24 @@ def _safetensors_writer() -> Callable[[Any, Any], None]:
                   metadata={"format": "pt"})
 
     return write
+
+
+def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``torch.load`` with ``weights_only=True`` unless told otherwise (tensors, plain Python and
+    numpy arrays, nothing that runs code), as Accelerate's ``load`` does."""
+    kwargs.setdefault("weights_only", True)
+    if not kwargs["weights_only"]:
+        return torch.load(f, map_location=map_location, **kwargs)
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(f, map_location=map_location, **kwargs)
+
+
+def _numpy_globals() -> list[Any]:
+    """What an array or a numpy RNG state in a checkpoint needs (RNG states hold numpy arrays)."""
+    try:
+        import numpy
+    except ImportError:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core  # numpy 2 renamed numpy.core
+    dtypes = [getattr(numpy.dtypes, name) for name in dir(numpy.dtypes) if name.endswith("DType")]
+    return [core.multiarray._reconstruct, core.multiarray.scalar, numpy.ndarray, numpy.dtype, codecs.encode, *dtypes]
