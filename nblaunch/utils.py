@@ -18,7 +18,13 @@ from nblaunch.training.runtime.availability import *  # noqa: F401,F403
 from nblaunch.training.runtime.operations import *  # noqa: F401,F403
 from nblaunch.training.runtime.python_values import *  # noqa: F401,F403
 
-from nblaunch.training.checkpoint.single import save
+from nblaunch.cli.accelerate_config import write_basic_config
+from nblaunch.training.checkpoint.layout import (MODEL_NAME, OPTIMIZER_NAME, PROFILE_PATTERN_NAME, RNG_STATE_NAME,
+                                                 SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
+                                                 SAFE_WEIGHTS_PATTERN_NAME, SAMPLER_NAME, SCALER_NAME, SCHEDULER_NAME,
+                                                 WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_PATTERN_NAME)
+from nblaunch.training.checkpoint.merging import merge_fsdp_weights
+from nblaunch.training.checkpoint.single import load, save
 from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
@@ -26,9 +32,9 @@ from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfigur
                                               GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, PrecisionType,
                                               ProfileKwargs, RNGType)
 from nblaunch.training.options.project import ProjectConfiguration
-from nblaunch.training.runtime.collectives import (DistributedOperationException, broadcast, broadcast_object_list,
-                                                   copy_tensor_to_devices, gather, gather_object,
-                                                   pad_across_processes, reduce, synchronize_rng_state,
+from nblaunch.training.runtime.collectives import (CannotPadNestedTensorWarning, DistributedOperationException,
+                                                   broadcast, broadcast_object_list, copy_tensor_to_devices, gather,
+                                                   gather_object, pad_across_processes, reduce, synchronize_rng_state,
                                                    synchronize_rng_states)
 from nblaunch.training.runtime.environment import DistributedType
 from nblaunch.training.runtime.main_process import tqdm, wait_for_everyone
@@ -41,10 +47,13 @@ __all__ = [
     "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType",
     "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
     "KwargsHandler", "PrecisionType", "RNGType", "ProfileKwargs", "ProjectConfiguration", "LoggerType",
-    "DistributedType", "DistributedOperationException",
+    "DistributedType", "DistributedOperationException", "CannotPadNestedTensorWarning",
     "broadcast", "broadcast_object_list", "copy_tensor_to_devices", "gather", "gather_object", "pad_across_processes",
     "concatenate", "recursively_apply", "reduce", "send_to_device", "set_seed", "synchronize_rng_state",
-    "synchronize_rng_states", "skip_first_batches", "find_executable_batch_size", "release_memory", "save", "tqdm",
+    "synchronize_rng_states", "skip_first_batches", "find_executable_batch_size", "release_memory", "save", "load", "merge_fsdp_weights", "write_basic_config", "tqdm",
     "wait_for_everyone",
+    "MODEL_NAME", "SAFE_MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "RNG_STATE_NAME",
+    "SCALER_NAME", "WEIGHTS_NAME", "SAFE_WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_INDEX_NAME",
+    "WEIGHTS_PATTERN_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME",
     *availability.__all__, *operations.__all__, *python_values.__all__, *introspection.__all__,
 ]

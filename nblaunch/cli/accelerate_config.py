@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = ["AccelerateConfig", "ConfigError", "FSDP_KEYS", "apply_config", "config_to_read", "default_config_path",
-           "read_config", "visible_devices"]
+           "read_config", "visible_devices", "write_basic_config"]
 
 
 class ConfigError(ValueError):
@@ -96,6 +96,40 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return os.path.expanduser(os.path.join(home, "accelerate", "default_config.yaml"))
+
+
+def write_basic_config(mixed_precision: str = "no", save_location: str | None = None,
+                       use_xpu: bool = False) -> str | bool:
+    """Write a config for this machine, as Accelerate's ``write_basic_config`` does (JSON, every
+    GPU or one CPU process), to ``save_location`` (default: Accelerate's default file, which
+    ``nblaunch launch`` and ``accelerate launch`` read). Returns its path, or False, leaving it as
+    it is, where a file is already there.
+
+    Example::
+
+        write_basic_config(mixed_precision="bf16")   # ~/.cache/huggingface/accelerate/default_config.yaml
+    """
+    from nblaunch.launch.planning.devices import cuda_device_count  # deferred: only this call needs it
+
+    if mixed_precision not in ("no", "fp16", "bf16", "fp8"):
+        raise ValueError(f"mixed_precision must be 'no', 'fp16', 'bf16' or 'fp8', got {mixed_precision!r}")
+    if use_xpu:
+        raise ValueError("write_basic_config(use_xpu=True): nblaunch does not drive XPUs")
+    path = os.path.expanduser(save_location) if save_location is not None else default_config_path()
+    if os.path.exists(path):
+        print(f"Configuration already exists at {path}, will not override. Run `accelerate config` "
+              "manually or pass a different `save_location`.")
+        return False
+    gpus = cuda_device_count()
+    config = {"compute_environment": "LOCAL_MACHINE", "mixed_precision": mixed_precision, "debug": False,
+              "enable_cpu_affinity": False, "num_processes": max(gpus, 1), "use_cpu": gpus == 0,
+              "distributed_type": "MULTI_GPU" if gpus > 1 else "NO"}
+    if gpus:
+        config["gpu_ids"] = "all"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        json.dump(config, file, indent=2)
+    return path
 
 
 def config_to_read(config_file: str | None, cpu: bool, environ: Mapping[str, str] | None = None) -> str | None:
@@ -198,9 +232,12 @@ def visible_devices(gpu_ids: Any, cpu: bool, cluster: str | None, current: str |
 
 def _load(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as file:
-        if path.endswith(".json"):  # Accelerate's rule: JSON by the name, YAML otherwise
+        text = file.read()
+        # Accelerate's rule is JSON by the name, YAML otherwise; JSON is YAML too, so a JSON file
+        # under any name (write_basic_config writes one to default_config.yaml) needs no PyYAML.
+        if path.endswith(".json") or text.lstrip().startswith("{"):
             try:
-                raw = json.load(file)
+                raw = json.loads(text)
             except json.JSONDecodeError as error:
                 raise ConfigError(f"{path} is not valid JSON: {error}") from None
         else:
@@ -210,7 +247,7 @@ def _load(path: str) -> dict[str, Any]:
                 raise ConfigError(f"reading {path} needs PyYAML: pip install pyyaml (or give the config as "
                                   "a .json file)") from None
             try:
-                raw = yaml.safe_load(file)
+                raw = yaml.safe_load(text)
             except yaml.YAMLError as error:  # its lines say what and where: one line here
                 raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     if raw is None:

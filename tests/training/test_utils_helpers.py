@@ -119,3 +119,29 @@ def test_weights_files_are_read_back(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     safetensors.save_file(weights, str(tmp_path / "model.safetensors"))
     assert _same(ours.load_state_dict(str(tmp_path / "model.safetensors")), weights)
+
+
+def test_load_reads_tensors_and_arrays_and_refuses_code(tmp_path):
+    import numpy
+
+    torch.save({"w": torch.ones(2), "rng": numpy.random.get_state(), "x": numpy.float32(1.5)}, tmp_path / "ok.bin")
+    loaded = ours.load(tmp_path / "ok.bin")
+    assert torch.equal(loaded["w"], torch.ones(2)) and loaded["x"] == 1.5
+    torch.save({"code": Pair(1, 2)}, tmp_path / "code.bin")  # a class of its own: not weights
+    with pytest.raises(Exception, match="weights_only"):
+        ours.load(tmp_path / "code.bin")
+    assert ours.load(tmp_path / "code.bin", weights_only=False)["code"] == Pair(1, 2)
+
+
+def test_write_basic_config_writes_a_file_both_launchers_read(tmp_path):
+    from nblaunch.cli.accelerate_config import read_config
+
+    path = str(tmp_path / "accelerate" / "default_config.yaml")
+    assert ours.write_basic_config(mixed_precision="bf16", save_location=path) == path
+    assert ours.write_basic_config(save_location=path) is False  # there already: left as it is
+    assert read_config(path).options["mixed_precision"] == "bf16"
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(path).mixed_precision == "bf16"  # Accelerate reads it too
+    with pytest.raises(ValueError, match="mixed_precision must be"):
+        ours.write_basic_config(mixed_precision="fp32", save_location=str(tmp_path / "other.json"))

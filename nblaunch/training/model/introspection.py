@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections import defaultdict
 from typing import Any, Iterator
 
@@ -22,7 +23,7 @@ from nblaunch.training.model.unwrap import unwrap_model
 __all__ = ["extract_model_from_parallel", "is_compiled_module", "has_compiled_regions", "model_has_dtensor",
            "find_tied_parameters", "retie_parameters", "id_tensor_storage", "named_module_tensors",
            "dtype_byte_size", "convert_file_size_to_int", "compute_module_sizes", "get_module_children_bottom_up",
-           "load_state_dict"]
+           "load_state_dict", "is_peft_model"]
 
 
 def is_compiled_module(module: torch.nn.Module) -> bool:
@@ -43,6 +44,12 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
         model._orig_mod = unwrap_model(model._orig_mod, keep_fp32_wrapper)  # as Accelerate: the wrapper is kept
         return model
     return unwrap_model(model, keep_fp32_wrapper)
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a PEFT model (peft's ``PeftModel``); False where peft is not imported."""
+    peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported: never import it here
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def model_has_dtensor(model: torch.nn.Module) -> bool:

@@ -24,7 +24,10 @@ __all__ = ["is_bf16_available", "is_fp16_available", "is_fp8_available", "is_cud
            "is_swanlab_available", "is_pandas_available", "is_matplotlib_available", "is_rich_available",
            "is_timm_available", "is_torchvision_available", "is_peft_available", "is_boto3_available",
            "is_safetensors_available", "is_pynvml_available", "is_triton_available", "is_torchdata_available",
-           "is_deepspeed_available", "is_bnb_available", "is_torch_version", "compare_versions"]
+           "is_deepspeed_available", "is_bnb_available", "is_torch_version", "compare_versions",
+           "is_rocm_available", "is_musa_available", "is_sdaa_available", "is_neuron_available", "is_habana_gaudi1",
+           "is_weights_only_available", "is_torchdata_stateful_dataloader_available", "is_schedulefree_available",
+           "is_lomo_available", "is_pippy_available"]
 
 
 def _installed(name: str) -> bool:
@@ -66,6 +69,31 @@ def is_mlu_available(check_device: bool = False) -> bool:
 
 def is_hpu_available(init_hccl: bool = False) -> bool:
     return False
+
+
+def is_musa_available(check_device: bool = False) -> bool:
+    return False
+
+
+def is_sdaa_available(check_device: bool = False) -> bool:
+    return False
+
+
+def is_neuron_available(check_device: bool = False) -> bool:
+    return False
+
+
+def is_habana_gaudi1() -> bool:
+    return False
+
+
+def is_rocm_available() -> bool:
+    """Whether this torch is built for AMD GPUs (ROCm); they are driven as CUDA devices."""
+    return torch.version.hip is not None
+
+
+def is_weights_only_available() -> bool:
+    return True  # torch.load(weights_only=True): every torch nblaunch supports has it
 
 
 def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
@@ -167,6 +195,22 @@ def is_triton_available() -> bool:
 
 def is_torchdata_available() -> bool:
     return _installed("torchdata")
+
+
+def is_torchdata_stateful_dataloader_available() -> bool:
+    return _installed("torchdata") and importlib.util.find_spec("torchdata.stateful_dataloader") is not None
+
+
+def is_schedulefree_available() -> bool:
+    return _installed("schedulefree")
+
+
+def is_lomo_available() -> bool:
+    return _installed("lomo_optim")
+
+
+def is_pippy_available() -> bool:
+    return True  # pipelining ships with torch (torch.distributed.pipelining)
 
 
 def is_deepspeed_available() -> bool:

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast", "copy_tensor_to_devices",
            "broadcast_object_list", "synchronize_rng_state", "synchronize_rng_states", "DistributedOperationException",
-           "ShapeMismatchError"]
+           "ShapeMismatchError", "CannotPadNestedTensorWarning"]
 
 _MAX_DIMS = 8  # the shape header holds this many dimensions
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -36,6 +37,10 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 class DistributedOperationException(Exception):
     """A collective was called with inputs that differ between ranks (Accelerate's name)."""
+
+
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` met a nested tensor and left it as it was."""
 
 
 class ShapeMismatchError(DistributedOperationException, ValueError):
@@ -184,6 +189,10 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
         return data
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        if t.is_nested:  # its parts have their own lengths: nothing to pad to, as in Accelerate
+            warnings.warn("pad_across_processes leaves nested tensors as they are", CannotPadNestedTensorWarning,
+                          stacklevel=4)
+            return t
         if t.ndim == 0:
             return t
         d = dim if dim >= 0 else t.ndim + dim

@@ -21,7 +21,7 @@ from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["TensorInformation", "is_torch_tensor", "is_tensor_information", "is_namedtuple", "honor_type",
            "find_batch_size", "ignorant_find_batch_size", "listify", "convert_to_fp32", "convert_outputs_to_fp32",
-           "get_data_structure", "initialize_tensors", "slice_tensors", "pad_input_tensors"]
+           "get_data_structure", "initialize_tensors", "slice_tensors", "pad_input_tensors", "find_device"]
 
 
 @dataclass
@@ -71,6 +71,18 @@ def ignorant_find_batch_size(data: Any) -> int | None:
         return find_batch_size(data)
     except (ValueError, TypeError):
         return None
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor found in ``data`` (None where there is none)."""
+    if isinstance(data, torch.Tensor):
+        return data.device
+    items = data.values() if isinstance(data, Mapping) else data if isinstance(data, (tuple, list)) else ()
+    for item in items:
+        device = find_device(item)
+        if device is not None:
+            return device
+    return None
 
 
 def listify(data: Any) -> Any:
