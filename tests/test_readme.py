@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # The pages README sends users to; their blocks are whole programs (docs/accelerator.md's are
 # excerpts of a training loop, not meant to run alone).
-DOCUMENTS = [README] + [ROOT / "docs" / name for name in ("usage.md", "coming-from-accelerate.md", "several-machines.md")]
+DOCUMENTS = [README] + [ROOT / "docs" / name for name in ("usage.md", "coming-from-accelerate.md", "coming-from-lightning.md",
+                                                       "several-machines.md")]
 
 
 def python_blocks(document: Path = README) -> list[str]:

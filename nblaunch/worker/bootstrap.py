@@ -24,8 +24,8 @@ from typing import Any, Callable, NoReturn
 from nblaunch import proctree, wire
 from nblaunch.worker import calls, channel, lifeline, payload, reports
 from nblaunch.worker.control import ControlSocket
-from nblaunch.worker.inherited import forget_accelerate_state
-from nblaunch.worker.progress import install_tqdm_hook
+from nblaunch.worker.inherited import forget_accelerate_state, leave_interactive_session
+from nblaunch.worker.progress import install_progress_hooks
 from nblaunch.worker.reports import RankGuard, describe, send_failure
 from nblaunch.worker.streams import attach_streams, flush_streams
 
@@ -141,7 +141,8 @@ def leave_cleanly(event_fd: int) -> None:
 
 def prepare_process() -> None:
     """What every process hosting ranks needs once, whatever started it."""
-    install_tqdm_hook()  # tqdm bars become progress events, drawn by the launcher
+    leave_interactive_session()  # forked from a kernel: a worker, not an interactive session
+    install_progress_hooks()  # tqdm and rich bars become progress events, drawn by the launcher
     # A C-level dump for ranks whose Python threads cannot answer (the GIL held by C code).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 

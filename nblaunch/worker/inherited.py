@@ -1,10 +1,12 @@
 """State that other libraries keep per process, which a forked rank must not inherit.
 
 A rank forked from a kernel where Hugging Face Accelerate already ran (an ``Accelerator()`` in a
-cell, a one-process launch, ``TrainingArguments``) would reuse that process's state: a single,
-non-distributed one, so its ``Accelerator`` would not join the launch's process group.
-Accelerate's own launcher refuses to start then; a forked rank simply starts without it. A
-one-process launch runs in the kernel itself: the kernel's own state is put back after it.
+cell, ``TrainingArguments``) would reuse that process's state: a single, non-distributed one, so
+its ``Accelerator`` would not join the launch's process group. Accelerate's own launcher refuses
+to start then; a forked rank simply starts without it.
+
+A rank forked from a kernel also inherits the kernel's interactive prompts, and Lightning, seeing
+them, would refuse to join the launch's ranks with ``strategy="ddp"``.
 """
 
 from __future__ import annotations
@@ -28,3 +30,30 @@ def forget_accelerate_state() -> None:
     """Empty Accelerate's shared ("Borg") state dicts, if Accelerate is loaded at all."""
     for shared in _shared_states():
         shared.clear()
+
+
+# Lightning reads ``sys.ps1`` once, at import, into ``_IS_INTERACTIVE`` (in every module that
+# uses it), and then refuses ``strategy="ddp"`` ("not compatible with an interactive environment").
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def leave_interactive_session() -> None:
+    """A rank is a worker, not the interactive session it was forked from: drop the prompts
+    (``sys.ps1``, ``sys.ps2``) IPython set in the kernel, which libraries read as "interactive",
+    and correct what Lightning already read from them if the kernel imported it.
+
+    Example (in a rank forked from a kernel that ran ``import lightning``)::
+
+        leave_interactive_session()
+        lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp")  # joins the launch's ranks
+    """
+    for prompt in ("ps1", "ps2"):
+        if hasattr(sys, prompt):
+            delattr(sys, prompt)
+    if not any(package in sys.modules for package in _LIGHTNING_PACKAGES):
+        return
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)  # never a module's __getattr__: it may import
+        if (name.partition(".")[0] in _LIGHTNING_PACKAGES and isinstance(namespace, dict)
+                and namespace.get("_IS_INTERACTIVE") is True):
+            namespace["_IS_INTERACTIVE"] = False

@@ -11,10 +11,13 @@ Two ways in:
   Inside a launch it reports to the launcher (at most ~10 times a second, and once at the
   end); outside one it falls back to ``tqdm.auto`` when tqdm is installed, else plain iteration.
 
-* :func:`install_tqdm_hook`, which the bootstrap calls in every worker, makes every tqdm bar
-  (``tqdm``, ``tqdm.auto``, ``tqdm.notebook``, and libraries built on them) report the same way
-  and draw nothing: no widgets owned by a child process, no carriage-return spam in the log.
-  tqdm is patched when it is first imported, so a worker that never uses it pays nothing.
+* :func:`install_progress_hooks`, which the bootstrap calls in every worker, makes every tqdm bar
+  (``tqdm``, ``tqdm.auto``, ``tqdm.notebook``, and libraries built on them, such as Lightning's
+  ``TQDMProgressBar``) report the same way and draw nothing: no widgets owned by a child
+  process, no carriage-return spam in the log. Rich's ``Progress`` (Lightning's
+  ``RichProgressBar``, ``rich.progress.track``) reports its visible tasks the same way, and a
+  rich ``Console`` in a rank writes to the rank's stdout, never into the kernel's cell. Each
+  library is patched when it is first imported, so a worker that never uses it pays nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import itertools
+import math
+import os
 import sys
 import threading
 import time
@@ -53,12 +58,14 @@ class BarReporter:
         self.total = total
         self.desc = desc
         self.auto = auto  # drawn by nblaunch (a prepared DataLoader), not asked for by the user
+        self.n: float = 0
         self._last = -float("inf")
 
     def update(self, n: float, desc: str | None = None) -> None:
         """Report position ``n`` unless a report went out less than REPORT_INTERVAL_S ago."""
         if desc is not None:
             self.desc = desc
+        self.n = n
         now = time.monotonic()
         if now - self._last >= REPORT_INTERVAL_S or n == self.total:
             self._last = now
@@ -106,25 +113,45 @@ def _reporting(iterable: Iterable[T], bar: BarReporter) -> Iterator[T]:
         bar.close(n)
 
 
-# --- tqdm -----------------------------------------------------------------------------------
+# --- the hooks ------------------------------------------------------------------------------
 
 _hook_lock = threading.Lock()
-_patched_std = False
+_patched: set[str] = set()  # the modules patched in this process, each once
+_HOOKED = ("tqdm.std", "tqdm.notebook", "rich.console", "rich.progress")
 
 
-def install_tqdm_hook() -> None:
-    """Make tqdm bars in this process report to the launcher instead of drawing themselves.
+def install_progress_hooks() -> None:
+    """Make tqdm's and rich's bars in this process report to the launcher instead of drawing.
 
-    Patches tqdm now if it is already imported (a forked worker inherits the kernel's modules),
-    else when it is first imported. Safe to call more than once.
+    Patches each module now if it is already imported (a forked worker inherits the kernel's
+    modules), else when it is first imported. Safe to call more than once.
     """
     with _hook_lock:
-        if "tqdm.std" in sys.modules:
-            _patch_module("tqdm.std", sys.modules["tqdm.std"])
-        if "tqdm.notebook" in sys.modules:
-            _patch_module("tqdm.notebook", sys.modules["tqdm.notebook"])
-        if not any(isinstance(finder, _TqdmFinder) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _TqdmFinder())
+        for name in _HOOKED:
+            if name in sys.modules:
+                _patch_module(name, sys.modules[name])
+        if not any(isinstance(finder, _BarsFinder) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _BarsFinder())
+
+
+def _patch_module(name: str, module: Any) -> None:
+    if name in _patched:
+        return
+    _patched.add(name)
+    if name == "tqdm.std":
+        _patch_std(module.tqdm)
+    elif name == "tqdm.notebook":
+        # Widgets built in a child would be orphans (spawn) or talk on the kernel's sockets (fork).
+        for attribute in _NOTEBOOK_OVERRIDES:
+            if attribute in vars(module.tqdm_notebook):
+                delattr(module.tqdm_notebook, attribute)
+    elif name == "rich.console":
+        _patch_rich_console(module)
+    elif name == "rich.progress":
+        _patch_rich_progress(module)
+
+
+# --- tqdm -----------------------------------------------------------------------------------
 
 
 # What tqdm.notebook's bar class overrides to draw ipywidgets. Removing these overrides makes
@@ -135,23 +162,9 @@ _NOTEBOOK_OVERRIDES = (
 )
 
 
-def _patch_module(name: str, module: Any) -> None:
-    if name == "tqdm.std":
-        _patch_std(module.tqdm)
-    elif name == "tqdm.notebook":
-        # Widgets built in a child would be orphans (spawn) or talk on the kernel's sockets (fork).
-        for attribute in _NOTEBOOK_OVERRIDES:
-            if attribute in vars(module.tqdm_notebook):
-                delattr(module.tqdm_notebook, attribute)
-
-
 def _patch_std(cls: type) -> None:
     """Patch tqdm's base class in place, so every subclass (tqdm.auto, asyncio, contrib) reports."""
-    global _patched_std
-    if _patched_std:
-        return
-    _patched_std = True
-    original_init, original_close = cls.__init__, cls.close
+    original_init, original_close, original_reset = cls.__init__, cls.close, cls.reset
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Draw into a sink that claims to be a terminal, so ``disable=None`` keeps the bar on.
@@ -181,12 +194,22 @@ def _patch_std(cls: type) -> None:
             bar.desc = _describe(self)
             bar.close(self.n)
 
-    cls.__init__, cls.display, cls.close = __init__, display, close
+    def reset(self, total: float | None = None) -> None:
+        # A bar reset for a new loop (Lightning's, every epoch) is a new bar for the launcher:
+        # its rate counts from this loop's start, not the first one's.
+        bar = getattr(self, "_nblaunch_bar", None)
+        if bar is not None and self.n:  # a bar reset before it moved goes on as the same bar
+            bar.close(self.n)
+            self._nblaunch_bar = BarReporter(self.total if total is None else total, _describe(self))
+        original_reset(self, total)
+
+    cls.__init__, cls.display, cls.close, cls.reset = __init__, display, close, reset
 
 
 def _describe(bar: Any) -> str:
+    desc = bar.desc[:-2] if bar.desc.endswith(": ") else bar.desc  # set_description's separator
     postfix = getattr(bar, "postfix", None)
-    return f"{bar.desc} {postfix}".strip() if postfix else bar.desc
+    return f"{desc} {postfix}".strip() if postfix else desc
 
 
 class _NullFile:
@@ -205,10 +228,105 @@ class _NullFile:
 _NULL = _NullFile()
 
 
-class _TqdmFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the real loader of tqdm.std / tqdm.notebook to patch them."""
+# --- rich -----------------------------------------------------------------------------------
 
-    targets = frozenset({"tqdm.std", "tqdm.notebook"})
+
+def _patch_rich_console(module: Any) -> None:
+    """Rich consoles in a rank write to a pipe the launcher reads, as a script's written to a file
+    do; each default is set through the Console's own parameters, so code asking for more gets it.
+
+    * ``force_jupyter=False``: a forked rank still finds the kernel's shell, and a console that
+      believes it is in Jupyter sends its output (a bar's widget, Lightning's model summary)
+      through IPython into the cell, behind the launcher's back.
+    * ``force_terminal=False`` (unless rich's ``TTY_COMPATIBLE`` is set): the kernel sets
+      ``FORCE_COLOR=1``, which rich reads as a terminal; a ``Live`` display would then redraw
+      itself into the rank's log at every refresh, with cursor codes. The launcher draws bars.
+    """
+    cls = module.Console
+    original_init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("force_jupyter") is None:
+            kwargs["force_jupyter"] = False
+        if kwargs.get("force_terminal") is None and "TTY_COMPATIBLE" not in os.environ:
+            kwargs["force_terminal"] = False
+        original_init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    rich = sys.modules.get("rich")
+    inherited = getattr(rich, "_console", None)  # the global console, made in the kernel before the fork
+    if inherited is not None and (inherited.is_jupyter or inherited.is_terminal):
+        rich.reconfigure()  # made again, with the defaults above
+
+
+def _patch_rich_progress(module: Any) -> None:
+    """Report a ``Progress``'s visible tasks whenever rich draws it (``get_renderable``: every
+    refresh, by its thread or by ``refresh()``), and close them when they are hidden, reset or
+    removed, or it stops. A rank's console is not a terminal: rich draws nothing until ``stop()``,
+    and then, made transient, nothing either."""
+    cls = module.Progress
+    original_get_renderable, original_stop, original_reset = cls.get_renderable, cls.stop, cls.reset
+
+    def get_renderable(self: Any) -> Any:
+        _report_tasks(self, module, stopping=False)
+        return original_get_renderable(self)
+
+    def stop(self: Any) -> None:
+        self.live.transient = True  # its last frame was the launcher's to draw, not the log's
+        original_stop(self)
+        _report_tasks(self, module, stopping=True)
+
+    def reset(self: Any, task_id: Any, *args: Any, **kwargs: Any) -> None:
+        # A task reset for a new loop (Lightning's, every epoch) is a new bar for the launcher,
+        # its rate from 0; the old one ends where the loop did, which the last refresh may not show.
+        _report_tasks(self, module, stopping=False, ending=task_id)
+        original_reset(self, task_id, *args, **kwargs)
+
+    cls.get_renderable, cls.stop, cls.reset = get_renderable, stop, reset
+
+
+def _report_tasks(progress: Any, module: Any, stopping: bool, ending: Any = None) -> None:
+    if getattr(progress, "disable", False):  # Lightning's bar on ranks other than 0
+        return
+    # Under the Progress's own (re-entrant) lock: its refresh thread draws while the main thread
+    # resets, and rich takes this lock before drawing a nested Progress, so ours comes after it.
+    with progress.__dict__.setdefault("_lock", threading.RLock()):
+        _report_tasks_locked(progress, module, stopping, ending)
+
+
+def _report_tasks_locked(progress: Any, module: Any, stopping: bool, ending: Any) -> None:
+    bars: dict[Any, BarReporter] = progress.__dict__.setdefault("_nblaunch_bars", {})
+    tasks = {task.id: task for task in progress.tasks}
+    for task_id, task in tasks.items():
+        total = task.total if task.total is not None and math.isfinite(task.total) else None
+        desc = _plain(module, task.description)
+        bar = bars.get(task_id)
+        if task.visible and not stopping and task_id != ending:
+            if bar is None:
+                bar = bars[task_id] = BarReporter(total, desc)
+            bar.total = total
+            bar.update(task.completed, desc)
+        elif bar is not None:  # hidden (Lightning hides a finished validation), reset or stopped
+            bar.total, bar.desc = total, desc
+            bar.close(task.completed)
+            del bars[task_id]
+    for task_id in set(bars) - set(tasks):  # removed with remove_task()
+        gone = bars.pop(task_id)
+        gone.close(gone.n)
+
+
+def _plain(module: Any, description: str) -> str:
+    """A task's description without rich's markup ("[green]train" is "train")."""
+    try:
+        return module.Text.from_markup(description).plain.strip()
+    except Exception:  # not valid markup: shown as written
+        return description.strip()
+
+
+class _BarsFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of the modules in ``_HOOKED`` to patch them."""
+
+    targets = frozenset(_HOOKED)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.targets:

@@ -110,3 +110,15 @@ def test_tqdm_imported_in_a_kernel_before_the_hook_still_reports_without_widgets
     frames, output = run_tqdm_worker("imported_before")
     assert frames[-1][1:5] == (100, 100, "auto from a kernel", True)
     assert "%|" not in output and "\r" not in output
+
+
+def test_rich_bars_are_reported_not_drawn_and_rich_prints_to_the_rank_not_the_kernel():
+    pytest.importorskip("rich")
+    frames, output = run_tqdm_worker("rich")
+    closed = [f[1:4] for f in frames if f[4]]
+    assert (50, 50, "tracked") in closed  # markup stripped
+    assert (2, 5, "dropped") in closed  # removed where it stood
+    assert (10, 10, "kept") in closed and (4, 4, "again") in closed  # a reset task is a new bar
+    assert len({f[0] for f in frames}) == 4
+    # Nothing drawn, no cursor codes; rich's own print lands in the rank's output, not in IPython.
+    assert output.strip() == "a line printed with rich", repr(output)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import sys
 
 from nblaunch.worker import channel
-from nblaunch.worker.progress import install_tqdm_hook
+from nblaunch.worker.progress import install_progress_hooks
 
 
 def lazy() -> None:
     """The hook is installed before tqdm is imported, as in a spawned worker."""
-    install_tqdm_hook()
+    install_progress_hooks()
     assert "tqdm" not in sys.modules, "installing the hook must not import tqdm"
     from tqdm import tqdm, trange
     from tqdm.auto import tqdm as auto_tqdm
@@ -50,13 +50,46 @@ def imported_before() -> None:
     from tqdm.notebook import tqdm_notebook
 
     assert issubclass(tqdm, tqdm_notebook), "tqdm.auto should have chosen the notebook bars"
-    install_tqdm_hook()
+    install_progress_hooks()
     for _ in tqdm(range(100), desc="auto from a kernel"):
         pass
     assert not live_widgets, "a worker must not build widgets"
 
 
+def rich_bars() -> None:
+    """rich's Progress in a rank forked from a kernel: the kernel's shell is there (rich would
+    take it for Jupyter's) and FORCE_COLOR=1 (rich would take the pipe for a terminal)."""
+    import os
+
+    import builtins
+
+    import ipykernel.zmqshell
+
+    shell = ipykernel.zmqshell.ZMQInteractiveShell.__new__(ipykernel.zmqshell.ZMQInteractiveShell)
+    builtins.get_ipython = lambda: shell  # what rich asks to tell Jupyter; a kernel's cell has it
+    os.environ["FORCE_COLOR"] = "1"
+    import rich
+
+    assert rich.get_console().is_jupyter, "rich should take this process for Jupyter before the hook"
+    install_progress_hooks()
+    from rich.progress import Progress, track
+
+    assert not rich.get_console().is_jupyter and not rich.get_console().is_terminal
+    for _ in track(range(50), description="[green]tracked"):
+        pass
+    with Progress() as progress:
+        kept = progress.add_task("kept", total=10)
+        dropped = progress.add_task("dropped", total=5)
+        progress.update(dropped, advance=2, refresh=True)
+        progress.remove_task(dropped)
+        for _ in range(10):
+            progress.advance(kept)
+        progress.reset(kept, total=4, description="again")
+        progress.update(kept, completed=4, refresh=True)
+        rich.print("a line printed with rich")
+
+
 if __name__ == "__main__":
     channel.open_channel(int(sys.argv[1]))
-    {"lazy": lazy, "imported_before": imported_before}[sys.argv[2]]()
+    {"lazy": lazy, "imported_before": imported_before, "rich": rich_bars}[sys.argv[2]]()
     channel.close_channel()

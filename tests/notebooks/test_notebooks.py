@@ -430,3 +430,47 @@ def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
     assert int(predicted.split("predicts ")[1].split("%")[0]) >= 90, predicted
     before, after = map(float, re.findall(r"[\d.]+", stream(cell(fsdp, "more = notebook_launcher"))))
     assert after < before
+
+
+# --------------------------------------------------------------------------- 07 Lightning
+@pytest.fixture(scope="module")
+def with_lightning(tmp_path_factory):
+    pytest.importorskip("lightning")
+    return execute("08_lightning.ipynb", tmp_path_factory.mktemp("lightning"))
+
+
+def test_the_lightning_notebook_runs_in_seconds(with_lightning):
+    no_errors_except_tagged(with_lightning)
+    assert with_lightning.metadata["elapsed_s"] < 60  # about 10 s on 2 cores
+
+
+def test_a_trainer_made_in_a_kernels_launch_trains_ddp_and_the_cell_shows_its_bar_and_self_log(with_lightning):
+    launch = cell(with_lightning, "results = notebook_launcher(train_with_trainer")
+    assert one_view(launch)
+    done = summary(launch)
+    assert rank_states(done) == {0: "done", 1: "done"}
+    # 1437 images in batches of 32 on 2 ranks: 23 steps a rank and epoch, 5 epochs, a point every 5 steps
+    assert chart_points(done, "train_loss") == {"rank 0": 23, "rank 1": 23}
+    assert chart_points(done, "val_accuracy") == {"rank 0": 5, "rank 1": 5}
+    # Lightning's bar (Rich's where rich is installed, else TQDM's), on rank 0 only, its last epoch full
+    assert done.count('class="nbl-bar"') == 1
+    assert re.search(r"Epoch 4\b[^·]*· 23/23 \(100%\)", text(done)), text(done)
+    printed = stream(cell(with_lightning, "for result in results:"))
+    accuracies = [float(a) for a in re.findall(r"rank \d of 2: validation accuracy ([\d.]+)%", printed)]
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1] > 90, printed
+    assert "replicas equal: True" in printed
+
+
+def test_fabric_in_a_kernels_launch_shards_the_data_and_its_logs_and_tqdm_bars_reach_the_cell(with_lightning):
+    launch = cell(with_lightning, "fabric_results = notebook_launcher(train_with_fabric")
+    assert one_view(launch)
+    done = summary(launch)
+    assert rank_states(done) == {0: "done", 1: "done"}
+    assert chart_points(done, "train_loss") == {"rank 0": 23, "rank 1": 23}
+    assert chart_points(done, "val_accuracy") == {"rank 0": 5, "rank 1": 5}
+    assert len(re.findall(r"epoch 4\s*· 23/23 \(100%\)", text(done))) == 2  # tqdm's bar, on each rank
+    printed = stream(cell(with_lightning, 'shares = [result["seen"]'))
+    assert "images per rank in the first epoch: [719, 719]" in printed
+    assert "images both ranks trained on: 1 " in printed  # 1437 is odd: one image is repeated
+    assert "images covered: 1437 of 1437" in printed
+    assert "replicas equal: True" in printed
