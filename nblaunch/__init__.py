@@ -16,6 +16,7 @@ Example::
 """
 
 from nblaunch.api import Launch, debug_launcher, notebook_launcher
+from nblaunch.detached.handle import DetachedLaunch, LaunchLostError, attach, launches
 from nblaunch.launch.errors import (
     LaunchConfigError,
     LaunchTimeoutError,
@@ -72,6 +73,10 @@ def __getattr__(name: str):
 
 __all__ = [
     "notebook_launcher",
+    "launches",
+    "attach",
+    "DetachedLaunch",
+    "LaunchLostError",
     "gpu_count",
     "Accelerator",
     "PartialState",

@@ -4,6 +4,7 @@
 - ``nblaunch test``: a self-check of this machine.
 - ``nblaunch env``: versions and devices for a bug report.
 - ``nblaunch demo``: train the demo on several processes.
+- ``nblaunch ls``, ``nblaunch attach [ID]``, ``nblaunch stop ID``: detached launches.
 
 Exit status: 0 success; 1 a rank failed (printed once, the details in the launch's log);
 2 a usage error; 124 ``--timeout`` ran out; 130 after Ctrl-C.
@@ -16,10 +17,11 @@ import os
 import sys
 
 from nblaunch import __version__
-from nblaunch.cli import demo, env, launch, selftest
+from nblaunch.cli import demo, detached, env, launch, selftest
 
 _DESCRIPTION = "nblaunch: start PyTorch training on several processes, from a notebook or a terminal."
-_COMMANDS = {"launch": launch, "test": selftest, "env": env, "demo": demo}
+_COMMANDS = {"launch": launch, "test": selftest, "env": env, "demo": demo, "ls": detached.LIST,
+             "attach": detached.ATTACH, "stop": detached.STOP}
 
 
 def _program_name() -> str:

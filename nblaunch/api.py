@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from nblaunch.detached.handle import DetachedLaunch, start_detached
 from nblaunch.events import Display
 from nblaunch.homes import choose_home
 from nblaunch.launch import ipython_errors
@@ -41,7 +42,8 @@ def notebook_launcher(
     ranks: "WarmRanks | None" = None,
     cluster: str | None = None,
     cpu: bool = False,
-) -> list[Any] | "Launch":
+    detach: bool = False,
+) -> list[Any] | "Launch" | DetachedLaunch:
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
     The parameters shared with Hugging Face Accelerate's ``notebook_launcher`` mean the same
@@ -79,6 +81,11 @@ def notebook_launcher(
         cpu: True runs every rank on the CPU with the GPUs hidden (as Accelerate's
             ``cpu=True``): as many ranks as you like on a one-GPU machine, to try or debug
             distributed code.
+        detach: True runs the launch under a supervisor of its own, outside this kernel, and
+            returns a :class:`~nblaunch.detached.handle.DetachedLaunch` at once, its dashboard
+            live in this cell: a kernel restart, or a closed notebook, does not stop it.
+            ``nblaunch.launches()`` lists such launches and ``nblaunch.attach()`` shows one
+            again (from any kernel of yours), with ``result()`` and ``cancel()``.
         rdzv_endpoint: Accelerate's ``"host:port"`` of the rendezvous: the same as
             ``master_addr`` and ``use_port`` (refused where they disagree).
         rdzv_id: the job's name, ``TORCHELASTIC_RUN_ID`` in every rank as under torchrun.
@@ -109,6 +116,11 @@ def notebook_launcher(
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
     if not isinstance(cpu, bool):
         raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
+    if not isinstance(detach, bool):
+        raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
+    if detach and (ranks is not None or cluster is not None):
+        raise LaunchConfigError("detach=True runs on this machine's own ranks: leave out ranks= and cluster= "
+                                "(detached warm ranks and Ray launches are not supported yet)")
     if ranks is not None:
         _refuse_launch_options_on_warm_ranks(locals())
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, num_nodes, timeout, display)
@@ -118,6 +130,8 @@ def notebook_launcher(
                             rdzv_conf=rdzv_conf, rdzv_id=rdzv_id, log_line_prefix_template=log_line_prefix_template)
     plan, home = choose_home(request, cluster)
     ipython_errors.install()
+    if detach:  # checked here, started by a supervisor of its own
+        return start_detached(request, plan, display)
     launch = Launch(plan, function, args, timeout, display, home=home)
     if not block:
         launch.start()

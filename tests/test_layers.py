@@ -28,6 +28,7 @@ LAYERS = [
     ["nblaunch.launch"],
     ["nblaunch.cluster"],
     ["nblaunch.homes"],
+    ["nblaunch.detached"],
     ["nblaunch.warm"],
     ["nblaunch.api", "nblaunch.demo"],
     ["nblaunch.cli", "nblaunch.__main__", "nblaunch.utils", "nblaunch.logging", "nblaunch.tracking",

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from nblaunch.launch.planning.devices import cuda_device_count
+
 __all__ = ["AccelerateConfig", "ConfigError", "FSDP_KEYS", "apply_config", "config_to_read", "default_config_path",
            "read_config", "visible_devices", "write_basic_config"]
 
@@ -109,8 +111,6 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | None = 
 
         write_basic_config(mixed_precision="bf16")   # ~/.cache/huggingface/accelerate/default_config.yaml
     """
-    from nblaunch.launch.planning.devices import cuda_device_count  # deferred: only this call needs it
-
     if mixed_precision not in ("no", "fp16", "bf16", "fp8"):
         raise ValueError(f"mixed_precision must be 'no', 'fp16', 'bf16' or 'fp8', got {mixed_precision!r}")
     if use_xpu:

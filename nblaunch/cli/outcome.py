@@ -16,7 +16,7 @@ from typing import Any, Callable
 from nblaunch.api import notebook_launcher
 from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
 
-__all__ = ["launch_in_terminal", "FAILED", "USAGE", "TIMED_OUT", "INTERRUPTED"]
+__all__ = ["launch_in_terminal", "outcome_in_terminal", "FAILED", "USAGE", "TIMED_OUT", "INTERRUPTED"]
 
 FAILED, USAGE, TIMED_OUT, INTERRUPTED = 1, 2, 124, 130
 
@@ -25,8 +25,13 @@ def launch_in_terminal(command: str, function: Callable, args: tuple, **options:
     """``notebook_launcher(function, args, display="text", **options)``; returns the results
     (None unless every rank succeeded) and the exit status. The text display has already shown
     each rank's lines and the launch's end; the root cause's traceback is printed once more."""
+    return outcome_in_terminal(command, lambda: notebook_launcher(function, args, display="text", **options))
+
+
+def outcome_in_terminal(command: str, results: Callable[[], list]) -> tuple[list | None, int]:
+    """``results()`` (a launch's, or a detached launch's ``result``) and the exit status for it."""
     try:
-        return notebook_launcher(function, args, display="text", **options), 0
+        return results(), 0
     except LaunchConfigError as error:
         print(f"nblaunch {command}: {error}", file=sys.stderr)
         return None, USAGE

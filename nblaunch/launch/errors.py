@@ -42,6 +42,10 @@ class RemoteError(Exception):
     def __init__(self, type_name: str, message: str):
         super().__init__(f"{type_name}: {message}")
         self.type_name = type_name
+        self.message = message
+
+    def __reduce__(self):  # pickled whole: a detached launch's outcome crosses processes
+        return (type(self), (self.type_name, self.message))
 
 
 @dataclass
@@ -74,7 +78,13 @@ class RankFailedError(RuntimeError):
         self.failures = failures
         self.stacks = stacks or {}
         super().__init__(self._message())
-        self.__cause__ = failures[0].exception  # the rank's own exception, its traceback below it
+        root = failures[0]
+        if root.exception is not None and root.exception.__cause__ is None and root.traceback:
+            root.exception.__cause__ = RemoteTraceback(root.traceback)  # lost when it was pickled
+        self.__cause__ = root.exception  # the rank's own exception, its traceback below it
+
+    def __reduce__(self):  # pickled whole: a detached launch's outcome crosses processes
+        return (type(self), (self.failures, self.stacks))
 
     @property
     def root_cause(self) -> RankFailure:
@@ -120,6 +130,9 @@ class LaunchTimeoutError(TimeoutError):
             f"the launch did not finish within timeout={timeout:g} s; every rank was stopped."
             + (f"\nWhere the ranks were:\n{where}" if where else "")
         )
+
+    def __reduce__(self):  # pickled whole: a detached launch's outcome crosses processes
+        return (type(self), (self.timeout, self.stacks))
 
 
 def root_cause_first(failures: list[RankFailure], shown_failing: list[int]) -> list[RankFailure]:
