@@ -16,20 +16,16 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-import uuid
 from typing import Any
 
 import cloudpickle
 
-from nblaunch import proctree
 from nblaunch.detached import store
+from nblaunch.detached.jobs import LaunchJob, start_supervisor
 from nblaunch.detached.journal import JournalReader
 from nblaunch.display import make_display
 from nblaunch.events import LaunchFinished, RankState
@@ -48,19 +44,8 @@ class LaunchLostError(RuntimeError):
 def start_detached(request: LaunchRequest, plan: LaunchPlan, display: Any) -> "DetachedLaunch":
     """Start ``request`` (already checked: ``plan`` is its plan here) under a supervisor of its
     own, outside this process's tree, and return its handle, watching in ``display``."""
-    launch_id = uuid.uuid4().hex[:12]
-    folder = store.new_launch_folder(launch_id)
-    store.write_atomically(os.path.join(folder, "where.json"),
-                           json.dumps({"cwd": os.getcwd(), "sys_path": sys.path}).encode())
-    store.write_atomically(os.path.join(folder, "request.pkl"),
-                           cloudpickle.dumps(dataclasses.replace(request, display="none")))
-    store.write_state(folder, id=launch_id, function=request.function_name, num_processes=plan.num_processes,
-                      started=time.time(), status="starting", kernel_pid=os.getpid())
-    with open(os.path.join(folder, "supervisor.log"), "ab") as log:
-        starter = subprocess.Popen([sys.executable, "-m", "nblaunch.detached.supervisor", folder],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, close_fds=True)
-    starter.wait()  # it forks the supervisor and exits at once
+    job = LaunchJob(dataclasses.replace(request, display="none"))
+    folder = start_supervisor(job, kind="launch", function=request.function_name, num_processes=plan.num_processes)
     launch = DetachedLaunch(folder)
     launch.watch(display)
     return launch
@@ -91,7 +76,7 @@ def launches() -> list[LaunchInfo]:
     after ``result()`` collected them, a week otherwise."""
     store.prune()
     listing = _Listing()
-    for folder in store.launch_folders():
+    for folder in store.launch_folders(kind="launch"):
         launch = DetachedLaunch(folder)
         state = launch.state()
         listing.append(LaunchInfo(state["id"], state["function"], launch.status,
@@ -104,11 +89,11 @@ def attach(launch_id: str | None = None, display: Any = "auto") -> "DetachedLaun
     """The detached launch ``launch_id`` (or the latest; a unique prefix will do), its dashboard
     replayed in this cell and then live. Watching never changes the launch: stop watching with
     ``detach()``, stop the launch with ``cancel()``."""
-    folders = store.launch_folders()
+    folders = store.launch_folders(kind="launch")
     if launch_id is not None:
         folders = [folder for folder in folders if os.path.basename(folder).startswith(launch_id)]
         if len(folders) != 1:
-            known = ", ".join(os.path.basename(f) for f in store.launch_folders()) or "none"
+            known = ", ".join(os.path.basename(f) for f in store.launch_folders(kind="launch")) or "none"
             what = "no" if not folders else "more than one"
             raise LookupError(f"{what} detached launch of this user has an id starting with {launch_id!r} "
                               f"(launches(): {known})")
@@ -145,7 +130,7 @@ class DetachedLaunch:
         state = self.state()
         if state.get("status") in _FINAL or os.path.exists(self._outcome_path):
             return state.get("status", "done")
-        return state.get("status", "starting") if self._supervisor_alive(state) else "lost"
+        return state.get("status", "starting") if store.supervisor_alive(state) else "lost"
 
     @property
     def log_dir(self) -> str:
@@ -154,13 +139,6 @@ class DetachedLaunch:
     @property
     def _outcome_path(self) -> str:
         return os.path.join(self.folder, "outcome.pkl")
-
-    def _supervisor_alive(self, state: dict[str, Any]) -> bool:
-        pid = state.get("supervisor_pid")
-        if pid is None:  # not written yet: the starter may still be forking it
-            return time.time() - state.get("started", 0) < 30
-        fields = proctree.stat_fields(pid)  # a zombie (nobody reaped it yet) has ended too
-        return bool(fields) and fields[0] != b"Z" and proctree.start_ticks(pid) == state.get("supervisor_start")
 
     def done(self) -> bool:
         return self.status in _FINAL or self.status == "lost"
@@ -202,7 +180,7 @@ class DetachedLaunch:
 
     def _signal(self, which: int) -> bool:
         state = self.state()
-        if self.done() or "supervisor_pid" not in state or not self._supervisor_alive(state):
+        if self.done() or "supervisor_pid" not in state or not store.supervisor_alive(state):
             return False
         os.kill(state["supervisor_pid"], which)
         return True

@@ -27,7 +27,9 @@ import stat
 import time
 from typing import Any
 
-__all__ = ["state_root", "detached_root", "launch_folders", "new_launch_folder", "read_state", "write_state",
+from nblaunch import proctree
+
+__all__ = ["supervisor_alive", "state_root", "detached_root", "launch_folders", "new_launch_folder", "read_state", "write_state",
            "write_atomically", "prune", "NotYoursError", "RETENTION_S", "COLLECTED_RETENTION_S"]
 
 # An outcome nobody collected is kept a week; one a kernel collected, a day (documented in docs/usage.md).
@@ -72,12 +74,25 @@ def new_launch_folder(launch_id: str) -> str:
     return folder
 
 
-def launch_folders() -> list[str]:
-    """This user's launch folders, oldest first (by when they were started)."""
+def launch_folders(kind: str | None = None) -> list[str]:
+    """This user's launch folders, oldest first (by when they were started); only those of
+    ``kind`` ("launch" or "pool", detached warm ranks) if given."""
     root = detached_root()
     folders = [os.path.join(root, name) for name in os.listdir(root)
                if os.path.isfile(os.path.join(root, name, "state.json"))]
-    return sorted(folders, key=lambda folder: read_state(folder).get("started", 0.0))
+    states = {folder: read_state(folder) for folder in folders}
+    folders = [folder for folder in folders if kind is None or states[folder].get("kind") == kind]
+    return sorted(folders, key=lambda folder: states[folder].get("started", 0.0))
+
+
+def supervisor_alive(state: dict[str, Any]) -> bool:
+    """Whether the supervisor ``state`` names still runs (its pid with the same start time, not
+    a zombie nobody reaped); a supervisor still starting counts as alive for 30 s."""
+    pid = state.get("supervisor_pid")
+    if pid is None:
+        return time.time() - state.get("started", 0) < 30
+    fields = proctree.stat_fields(pid)
+    return bool(fields) and fields[0] != b"Z" and proctree.start_ticks(pid) == state.get("supervisor_start")
 
 
 def read_state(folder: str) -> dict[str, Any]:

@@ -19,7 +19,9 @@ Example::
     %distributed stop
 
 ``--ray --nodes 2`` keeps the ranks on two nodes of the Ray cluster the notebook is connected to
-(``-n`` ranks on each).
+(``-n`` ranks on each). ``--detach`` keeps them under a supervisor of their own: after a kernel
+restart, the first ``%%distributed`` cell reattaches to them (and says so), with everything
+earlier cells defined there.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.warm.detached import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
-from nblaunch.worker.calls import run_code
+from nblaunch.worker.calls import namespace_names, run_code
 
 # The notebook's own machinery: never sent to the ranks.
 _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
@@ -48,6 +51,7 @@ def cell_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--nodes", type=int, default=None)
     parser.add_argument("--ray", action="store_true")
+    parser.add_argument("--detach", action="store_true")
     return parser
 
 
@@ -70,33 +74,50 @@ class DistributedMagics(Magics):
         try:
             options = cell_parser().parse_args(shlex.split(line))
         except (argparse.ArgumentError, SystemExit, ValueError) as error:
-            raise LaunchConfigError(f"%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--ray [--nodes K]]: {error}") from None
+            raise LaunchConfigError("%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--ray [--nodes K]] [--detach]: "
+                                    f"{error}") from None
         filename = f"<distributed cell {self._cells + 1}>"
         compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
         pool = self._pool_for(options.num_processes, (options.spawn, options.nodes or 1, "ray" if options.ray else None,
-                                                        options.cpu))
+                                                        options.cpu), options.detach)
         self._cells += 1
         sent = self._names_to_send(cell)
         results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
         self._defined_in_ranks |= assigned_names(cell)
         return None if all(r is None for r in results) else results
 
-    def _pool_for(self, num_processes: int | None, shape: tuple) -> WarmRanks:
-        """The pool for this cell: the current one, unless the cell asks for another size or kind."""
+    def _pool_for(self, num_processes: int | None, shape: tuple, detach: bool) -> WarmRanks:
+        """The pool for this cell: the current one, unless the cell asks for another size or kind;
+        in a kernel without one, this user's detached warm ranks if they are up."""
+        if self.pool is None:
+            self._reattach(shape)
         pool = self.pool
         wanted = num_processes if num_processes is not None else (pool.num_processes if pool else None)
-        if pool is not None and (wanted != pool.num_processes or shape != self._shape):
+        newly_detached = detach and not isinstance(pool, DetachedWarmRanks)
+        if pool is not None and (wanted != pool.num_processes or shape != self._shape or newly_detached):
             pool.close()
             pool = None
         if pool is None:
             spawn, nodes, cluster, cpu = shape
             pool = self.pool = WarmRanks(num_processes=wanted, start_method="spawn" if spawn else None,
-                                         num_nodes=nodes, cluster=cluster, cpu=cpu)
+                                         num_nodes=nodes, cluster=cluster, cpu=cpu, detach=detach)
             self._shape = shape
             self._defined_in_ranks = set()
         elif not pool.alive:
             self._defined_in_ranks = set()  # a fresh pool knows nothing of the old one's names
         return pool
+
+    def _reattach(self, shape: tuple) -> None:
+        """Find this user's detached warm ranks (a kernel restarted since ``--detach``), say so,
+        and learn which names their cells defined."""
+        try:
+            pool = WarmRanks.attach()
+        except LookupError:
+            return
+        print(f"nblaunch: reattached to the detached warm ranks {pool.launch_id} ({pool.num_processes} processes): "
+              "what earlier cells defined there is still there")
+        self.pool, self._shape = pool, shape
+        self._defined_in_ranks = set(pool.run(namespace_names, display="none")[0])
 
     def _names_to_send(self, cell: str) -> dict[str, Any]:
         user = self.shell.user_ns

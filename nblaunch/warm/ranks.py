@@ -13,6 +13,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import os
+import signal
 import sys
 import threading
 import time
@@ -20,6 +22,8 @@ import weakref
 from typing import Any, Callable
 
 from nblaunch import wire
+from nblaunch.detached import channel, store
+from nblaunch.detached.supervisor import finish
 from nblaunch.display import make_display
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
 from nblaunch.homes import choose_home
@@ -33,6 +37,7 @@ from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.payload import Payload
 from nblaunch.launch.supervising.interrupts import interrupts_wait
 from nblaunch.warm.calls import CallRouter, CallTimedOut
+from nblaunch.warm.detached import DetachedWarmRanks, Relay
 from nblaunch.worker.calls import serve_calls
 
 _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
@@ -40,6 +45,10 @@ _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take millisecon
 
 class WarmRanks:
     """Ranks that stay up between calls, keeping their process group and what they hold.
+
+    ``detach=True`` keeps them under a supervisor of their own, outside the kernel: a kernel
+    restart leaves them (and what they hold) up, and ``WarmRanks.attach()`` in the next kernel
+    runs on them again (see :mod:`nblaunch.warm.detached`).
 
     Args:
         num_processes, mixed_precision, use_port, start_method, cpu: as for ``notebook_launcher``.
@@ -57,10 +66,30 @@ class WarmRanks:
         >>> ranks.close()
     """
 
+    def __new__(cls, num_processes: int | None = None, mixed_precision: str = "no", *,
+                display: str | Display = "auto", detach: bool = False, **options: Any) -> Any:
+        if not isinstance(detach, bool):
+            raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
+        if not detach:
+            return super().__new__(cls)
+        if options.get("cluster") is not None:
+            raise LaunchConfigError("detach=True keeps warm ranks on this machine: leave cluster= out "
+                                    "(detached warm ranks on Ray are not supported yet)")
+        options = dict(options, num_processes=num_processes, mixed_precision=mixed_precision)
+        checked = WarmRanks(**options, display="none")  # bad input is refused here; it starts nothing
+        checked.close()
+        return DetachedWarmRanks.start(PoolJob(options), checked.num_processes, display)
+
+    @classmethod
+    def attach(cls, launch_id: str | None = None, display: str | Display = "auto") -> DetachedWarmRanks:
+        """This user's detached warm ranks (the latest, or ``launch_id``, a unique start of its
+        id), from any kernel: the same ranks, their namespaces and what they hold."""
+        return DetachedWarmRanks.latest(launch_id, display)
+
     def __init__(self, num_processes: int | None = None, mixed_precision: str = "no", *,
                  use_port: int | str | None = None, start_method: str | None = None,
                  display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None,
-                 cpu: bool = False) -> None:
+                 cpu: bool = False, detach: bool = False) -> None:
         if not isinstance(cpu, bool):
             raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
         self._options = dict(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
@@ -246,6 +275,54 @@ class WarmRanks:
         except Exception:
             pickling.check_picklable(function, args)  # names the culprit
             raise
+
+
+@dataclasses.dataclass
+class PoolJob:
+    """What the supervisor of detached warm ranks runs: an ordinary WarmRanks, and the calls
+    kernels send it one at a time (``nblaunch.detached.channel``), each shown in the calling
+    kernel's cell. A kernel that goes away mid-call leaves the call running; the next asks again."""
+
+    options: dict[str, Any]
+
+    def run(self, folder: str) -> None:
+        pool = WarmRanks(**self.options, display="none")
+        server = channel.listen(os.path.basename(folder))
+        store.write_state(folder, status="running")
+        signal.signal(signal.SIGTERM, lambda *_: self._stop(pool, folder))
+        while True:
+            try:
+                connection = channel.accept(server)
+                if connection is not None:
+                    with connection:
+                        if self._serve(pool, connection) == "closed":
+                            finish(folder, "done", ("ok", None))  # before the answer: the caller sees it ended
+                            channel.send(connection, ("closed",))
+                            return
+            except (KeyboardInterrupt, channel.ChannelClosed):
+                continue  # an interrupt for a call already over, or a kernel gone: wait for the next
+
+    @staticmethod
+    def _serve(pool: "WarmRanks", connection: Any) -> str:
+        request = channel.receive(connection)
+        if request[0] == "close":
+            pool.close()
+            return "closed"
+        _, function, args, timeout = request
+        relay = Relay(connection)
+        try:
+            outcome = ("done", pool.run(function, *args, timeout=timeout, display=relay))
+        except BaseException as error:  # the pool's own errors: a rank failed, a timeout, an interrupt
+            outcome = ("raised", error)
+        if relay.connected:
+            channel.send(connection, outcome)
+        return "served"
+
+    @staticmethod
+    def _stop(pool: "WarmRanks", folder: str) -> None:
+        pool.close()
+        finish(folder, "cancelled", ("ok", None))
+        os._exit(0)
 
 
 _pools: "weakref.WeakSet[WarmRanks]" = weakref.WeakSet()

@@ -75,6 +75,12 @@ def _reply(call_id: int, result: Any) -> bytes:
         raise TypeError(f"the call returned a {type(result).__name__} that cannot be sent back: {error}") from error
 
 
+def namespace_names() -> list[str]:
+    """The names this rank's cells have defined (a kernel that reattaches to detached warm ranks
+    asks, so it does not send them again)."""
+    return sorted(name for name in namespace if not name.startswith("__"))
+
+
 def run_code(source: str, sent: dict[str, Any], filename: str = "<distributed cell>") -> Any:
     """Run a cell's code in this rank's namespace and return its last expression's value (or None).
 

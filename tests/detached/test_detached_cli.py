@@ -29,8 +29,16 @@ def _nblaunch(*args: str, **popen) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
-def test_list_watch_detach_and_stop_from_a_terminal(tmp_path, monkeypatch):
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    from test_detached_kernels import stop_every_launch_in
+
     monkeypatch.setenv("NBLAUNCH_STATE_DIR", str(tmp_path / "state"))
+    yield str(tmp_path / "state")
+    stop_every_launch_in(str(tmp_path / "state"))
+
+
+def test_list_watch_detach_and_stop_from_a_terminal(tmp_path, state_dir):
     launch = notebook_launcher(_waits_for, args=(str(tmp_path / "never"),), num_processes=2, detach=True,
                                display="none")
     listed = _nblaunch("ls").communicate(timeout=60)[0]

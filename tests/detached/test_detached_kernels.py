@@ -76,7 +76,22 @@ class Kernel:
 
 @pytest.fixture
 def state_dir(tmp_path):
-    return str(tmp_path / "state")
+    """A state folder of the test's own; whatever launch a failed test left running is stopped."""
+    folder = str(tmp_path / "state")
+    yield folder
+    stop_every_launch_in(folder)
+
+
+def stop_every_launch_in(state_dir: str) -> None:
+    from nblaunch.detached.handle import DetachedLaunch
+
+    root = os.path.join(state_dir, "detached")
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        state_file = os.path.join(root, name, "state.json")
+        if os.path.exists(state_file):
+            pid = json.load(open(state_file)).get("supervisor_pid")
+            if DetachedLaunch(os.path.join(root, name)).cancel() and pid:
+                psutil.wait_procs([psutil.Process(pid)] if psutil.pid_exists(pid) else [], timeout=30)
 
 
 def _folder(state_dir: str, launch_id: str) -> str:

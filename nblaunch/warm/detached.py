@@ -1,0 +1,164 @@
+"""Warm ranks that outlive the kernel: ``WarmRanks(2, detach=True)`` and ``WarmRanks.attach()``.
+
+A supervisor of their own (``nblaunch.detached``) keeps an ordinary :class:`WarmRanks` up, with
+its process group and everything earlier calls stored in the ranks, and serves calls on a
+private socket (:mod:`nblaunch.detached.channel`). :class:`DetachedWarmRanks` is the kernel's
+side, with ``WarmRanks``' surface: each call goes to the supervisor, its events come back to a
+display made in the calling cell, its results or error come back as the call's. Ctrl-C in the
+kernel interrupts the call there as it would here (the ranks are stopped, and the next call
+starts fresh ones).
+
+Example::
+
+    pool = WarmRanks(2, detach=True)
+    pool.run(load_model)          # the model stays in the ranks
+    # ... the kernel restarts ...
+    pool = WarmRanks.attach()     # the same ranks, the model still there
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from nblaunch.detached import channel, store
+from nblaunch.detached.jobs import start_supervisor
+from nblaunch.display import make_display
+from nblaunch.events import Display
+from nblaunch.launch import ipython_errors
+from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.launch.planning import pickling
+
+__all__ = ["DetachedWarmRanks", "Relay"]
+
+
+class Relay:
+    """The display of a call served for a kernel: every event goes to that kernel; if it went
+    away, the call goes on unwatched."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.connected = True
+
+    def on_event(self, event: Any) -> None:
+        if self.connected:
+            try:
+                channel.send(self.connection, ("event", event))
+            except channel.ChannelClosed:
+                self.connected = False
+
+    def close(self) -> None:
+        pass
+
+
+class DetachedWarmRanks:
+    """Warm ranks kept by a supervisor of their own; ``WarmRanks(..., detach=True)`` makes one,
+    ``WarmRanks.attach()`` finds it again from any kernel of the same user."""
+
+    def __init__(self, folder: str, display: str | Display = "auto") -> None:
+        self.folder = folder
+        self.launch_id = os.path.basename(folder)
+        self._display = display
+        self._closed = False
+
+    @classmethod
+    def start(cls, job: Any, num_processes: int, display: str | Display) -> "DetachedWarmRanks":
+        """Start ``job`` (the pool's side, checked already) under a supervisor of its own."""
+        folder = start_supervisor(job, kind="pool", function="warm ranks", num_processes=num_processes)
+        return cls(folder, display)
+
+    @classmethod
+    def latest(cls, launch_id: str | None = None, display: str | Display = "auto") -> "DetachedWarmRanks":
+        pools = [cls(folder, display) for folder in store.launch_folders(kind="pool")]
+        pools = [pool for pool in pools if pool.alive and pool.launch_id.startswith(launch_id or "")]
+        if not pools:
+            raise LookupError("no detached warm ranks of this user are up" +
+                              (f" with an id starting with {launch_id!r}" if launch_id else "") +
+                              ": WarmRanks(..., detach=True) starts them")
+        return pools[-1]
+
+    def _state(self) -> dict[str, Any]:
+        return store.read_state(self.folder)
+
+    @property
+    def num_processes(self) -> int:
+        return self._state()["num_processes"]
+
+    @property
+    def alive(self) -> bool:
+        """True while the supervisor keeping the ranks is up (the ranks start at the first call,
+        and again after a failure, as for WarmRanks)."""
+        state = self._state()
+        return "ended" not in state and store.supervisor_alive(state)
+
+    def run(self, function: Callable[..., Any], *args: Any, timeout: float | None = None,
+            display: str | Display | None = None) -> list[Any]:
+        """As ``WarmRanks.run``: ``[result of rank 0, rank 1, ...]``, the call shown in this cell."""
+        __tracebackhide__ = True
+        if self._closed or not self.alive:
+            raise LaunchConfigError(f"the detached warm ranks {self.launch_id} are closed; make a new "
+                                    "WarmRanks(..., detach=True) to run more")
+        if not callable(function):
+            raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
+        pickling.check_picklable(function, args)  # names the culprit, before anything is sent
+        ipython_errors.install()
+        connection = self._connect()
+        shown = make_display(self._display if display is None else display, self.num_processes)
+        try:
+            channel.send(connection, ("run", function, args, timeout))
+            kind, value = self._answer(connection, shown)
+        finally:
+            shown.close()
+            connection.close()
+        if kind == "raised":
+            raise value.with_traceback(None)
+        return value
+
+    def _connect(self) -> Any:
+        deadline = time.monotonic() + 30  # a backstop: the supervisor listens within a second of starting
+        while True:
+            try:
+                return channel.connect(self.launch_id)
+            except channel.ChannelClosed:
+                if time.monotonic() > deadline or not self.alive:
+                    raise
+                time.sleep(0.05)
+
+    def _answer(self, connection: Any, shown: Display) -> tuple[str, Any]:
+        interrupted = False
+        while True:
+            try:
+                message = channel.receive(connection)
+            except KeyboardInterrupt:
+                if not interrupted:  # stop the call there; its report still comes back here
+                    interrupted = True
+                    os.kill(self._state()["supervisor_pid"], signal.SIGINT)
+                continue
+            if message[0] == "event":
+                shown.on_event(message[1])
+            else:
+                return message
+
+    def close(self) -> None:
+        """Let the ranks leave and the supervisor end. Safe to call twice."""
+        if self._closed or not self.alive:
+            self._closed = True
+            return
+        self._closed = True
+        connection = self._connect()
+        with connection:
+            channel.send(connection, ("close",))
+            channel.receive(connection)
+
+    def __enter__(self) -> "DetachedWarmRanks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "up" if self.alive and not self._closed else "closed"
+        return (f"<WarmRanks (detached {self.launch_id}): {self.num_processes} processes, {state}; "
+                f"WarmRanks.attach('{self.launch_id}') from any kernel>")
