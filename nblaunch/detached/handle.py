@@ -194,6 +194,8 @@ class DetachedLaunch:
         """Show the launch in ``display`` (made here: a widget shows in this cell): everything
         so far, then live, until it ends or :meth:`detach`."""
         self.detach()
+        if display == "none":
+            return  # nothing to show: no reason to read the journal
         shown = make_display(display, self.state()["num_processes"])
         set_stop_handler = getattr(shown, "set_stop_handler", None)
         if set_stop_handler is not None:
