@@ -85,7 +85,9 @@ def notebook_launcher(
             returns a :class:`~nblaunch.detached.handle.DetachedLaunch` at once, its dashboard
             live in this cell: a kernel restart, or a closed notebook, does not stop it.
             ``nblaunch.launches()`` lists such launches and ``nblaunch.attach()`` shows one
-            again (from any kernel of yours), with ``result()`` and ``cancel()``.
+            again (from any kernel of yours), with ``result()`` and ``cancel()``. With
+            ``cluster="ray"`` a detached actor of the cluster keeps it, for any driver
+            connected to the cluster.
         rdzv_endpoint: Accelerate's ``"host:port"`` of the rendezvous: the same as
             ``master_addr`` and ``use_port`` (refused where they disagree).
         rdzv_id: the job's name, ``TORCHELASTIC_RUN_ID`` in every rank as under torchrun.
@@ -118,9 +120,9 @@ def notebook_launcher(
         raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
     if not isinstance(detach, bool):
         raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
-    if detach and (ranks is not None or cluster is not None):
-        raise LaunchConfigError("detach=True runs on this machine's own ranks: leave out ranks= and cluster= "
-                                "(detached warm ranks and Ray launches are not supported yet)")
+    if detach and ranks is not None:
+        raise LaunchConfigError("detach=True starts ranks of its own: leave ranks= out (for warm ranks that "
+                                "outlive the kernel, make them with WarmRanks(..., detach=True))")
     if ranks is not None:
         _refuse_launch_options_on_warm_ranks(locals())
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, num_nodes, timeout, display)
@@ -130,8 +132,8 @@ def notebook_launcher(
                             rdzv_conf=rdzv_conf, rdzv_id=rdzv_id, log_line_prefix_template=log_line_prefix_template)
     plan, home = choose_home(request, cluster)
     ipython_errors.install()
-    if detach:  # checked here, started by a supervisor of its own
-        return start_detached(request, plan, display)
+    if detach:  # checked here, then kept by a supervisor (or on Ray, an actor) of its own
+        return start_detached(request, plan, display, cluster)
     launch = Launch(plan, function, args, timeout, display, home=home)
     if not block:
         launch.start()

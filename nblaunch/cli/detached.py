@@ -46,17 +46,22 @@ def _add_attach(commands: argparse._SubParsersAction) -> None:
 
 
 def _attach(options: argparse.Namespace) -> int:
+    launch = None
     try:
-        launch = attach(options.launch_id, display="text")
+        launch = attach(options.launch_id, display="none")  # found first: Ctrl-C from here on detaches
+        launch.watch("text")
+        _, status = outcome_in_terminal("attach", launch.result)
     except LookupError as error:
         print(f"nblaunch attach: {error}", file=sys.stderr)
         return FAILED
-    try:
-        _, status = outcome_in_terminal("attach", launch.result)
     except LaunchLostError as error:
         print(f"nblaunch attach: {error}", file=sys.stderr)
         return FAILED
+    except KeyboardInterrupt:  # Ctrl-C before the watching had begun
+        status = INTERRUPTED
     if status == INTERRUPTED:
+        if launch is None:
+            return INTERRUPTED
         launch.detach()
         print(f"nblaunch: stopped watching; launch {launch.launch_id} goes on ({launch.status}). "
               f"nblaunch attach {launch.launch_id} shows it again, nblaunch stop {launch.launch_id} stops it.",

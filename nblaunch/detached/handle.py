@@ -16,17 +16,15 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import os
-import signal
+import sys
 import threading
 import time
 from typing import Any
 
-import cloudpickle
 
 from nblaunch.detached import store
 from nblaunch.detached.jobs import LaunchJob, start_supervisor
-from nblaunch.detached.journal import JournalReader
+from nblaunch.detached.kept import KeptInAFolder, KeptLaunch
 from nblaunch.display import make_display
 from nblaunch.events import LaunchFinished, RankState
 from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
@@ -41,14 +39,33 @@ class LaunchLostError(RuntimeError):
     """The supervisor of a detached launch died before the launch ended (its ranks died with it)."""
 
 
-def start_detached(request: LaunchRequest, plan: LaunchPlan, display: Any) -> "DetachedLaunch":
-    """Start ``request`` (already checked: ``plan`` is its plan here) under a supervisor of its
-    own, outside this process's tree, and return its handle, watching in ``display``."""
-    job = LaunchJob(dataclasses.replace(request, display="none"))
-    folder = start_supervisor(job, kind="launch", function=request.function_name, num_processes=plan.num_processes)
-    launch = DetachedLaunch(folder)
+def start_detached(request: LaunchRequest, plan: LaunchPlan, display: Any, cluster: str | None = None
+                   ) -> "DetachedLaunch":
+    """Start ``request`` (already checked: ``plan`` is its plan here) under a keeper of its own,
+    a supervisor outside this process's tree (or, on Ray, a detached actor), and return its
+    handle, watching in ``display``."""
+    if cluster == "ray":
+        from nblaunch.cluster.kept import start_on_ray  # deferred: Ray is optional
+
+        launch = DetachedLaunch(start_on_ray(request, plan.world_size))
+    else:
+        job = LaunchJob(dataclasses.replace(request, display="none"))
+        launch = DetachedLaunch(start_supervisor(job, kind="launch", function=request.function_name,
+                                                 num_processes=plan.num_processes))
     launch.watch(display)
     return launch
+
+
+def _all_kept() -> list[KeptLaunch]:
+    """This user's launches kept here, then those kept on the Ray cluster this process is
+    connected to (if it is: Ray is never loaded or joined for this)."""
+    places: list[KeptLaunch] = [KeptInAFolder(folder) for folder in store.launch_folders(kind="launch")]
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        from nblaunch.cluster.kept import kept_on_ray  # deferred: Ray is optional
+
+        places += kept_on_ray()
+    return places
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +93,8 @@ def launches() -> list[LaunchInfo]:
     after ``result()`` collected them, a week otherwise."""
     store.prune()
     listing = _Listing()
-    for folder in store.launch_folders(kind="launch"):
-        launch = DetachedLaunch(folder)
+    for place in _all_kept():
+        launch = DetachedLaunch(place)
         state = launch.state()
         listing.append(LaunchInfo(state["id"], state["function"], launch.status,
                                   time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state["started"])),
@@ -89,23 +106,25 @@ def attach(launch_id: str | None = None, display: Any = "auto") -> "DetachedLaun
     """The detached launch ``launch_id`` (or the latest; a unique prefix will do), its dashboard
     replayed in this cell and then live. Watching never changes the launch: stop watching with
     ``detach()``, stop the launch with ``cancel()``."""
-    folders = store.launch_folders(kind="launch")
+    every = _all_kept()
+    places = every
     if launch_id is not None:
-        folders = [folder for folder in folders if os.path.basename(folder).startswith(launch_id)]
-        if len(folders) != 1:
-            known = ", ".join(os.path.basename(f) for f in store.launch_folders(kind="launch")) or "none"
-            what = "no" if not folders else "more than one"
+        places = [place for place in every if place.launch_id.startswith(launch_id)]
+        if len(places) != 1:
+            known = ", ".join(place.launch_id for place in every) or "none"
+            what = "no" if not places else "more than one"
             raise LookupError(f"{what} detached launch of this user has an id starting with {launch_id!r} "
                               f"(launches(): {known})")
-    elif not folders:
+    elif not places:
         raise LookupError("no detached launch to attach to: notebook_launcher(..., detach=True) starts one")
-    launch = DetachedLaunch(folders[-1])
+    launch = DetachedLaunch(places[-1])
     launch.watch(display)
     return launch
 
 
 class DetachedLaunch:
-    """A launch running under a supervisor of its own (or ended), seen from any kernel of its user.
+    """A launch running under a keeper of its own (a supervisor on this machine, or a detached
+    actor of a Ray cluster), or ended, seen from any kernel of its user.
 
     Example::
 
@@ -114,88 +133,69 @@ class DetachedLaunch:
         launch.cancel()     # stops every rank, from any kernel
     """
 
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.launch_id = os.path.basename(folder)
+    def __init__(self, place: "KeptLaunch | str") -> None:
+        self._place: KeptLaunch = KeptInAFolder(place) if isinstance(place, str) else place
+        self.launch_id = self._place.launch_id
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
 
     def state(self) -> dict[str, Any]:
-        return store.read_state(self.folder)
+        return self._place.state()
 
     @property
     def status(self) -> str:
         """starting, running, done, failed, timed out, cancelled, interrupted, or lost (its
-        supervisor died before the end)."""
+        keeper died before the end)."""
         state = self.state()
-        if state.get("status") in _FINAL or os.path.exists(self._outcome_path):
-            return state.get("status", "done")
-        return state.get("status", "starting") if store.supervisor_alive(state) else "lost"
+        if state.get("status") in _FINAL:
+            return state["status"]
+        return state.get("status", "starting") if self._place.alive() else "lost"
 
     @property
     def log_dir(self) -> str:
         return self.state().get("log_dir", "")
 
-    @property
-    def _outcome_path(self) -> str:
-        return os.path.join(self.folder, "outcome.pkl")
-
     def done(self) -> bool:
-        return self.status in _FINAL or self.status == "lost"
+        return self.status in (*_FINAL, "lost")
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """Wait for the end (at most ``timeout`` seconds) and return every rank's result, or
-        raise what the launch raised; :class:`LaunchLostError` if its supervisor died first."""
+        raise what the launch raised; :class:`LaunchLostError` if its keeper died first."""
         __tracebackhide__ = True
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not os.path.exists(self._outcome_path):
+        while (outcome := self._place.outcome()) is None:
             if self.status == "lost":
-                raise LaunchLostError(self._lost_message())
+                raise LaunchLostError(self._place.lost_message())
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the detached launch {self.launch_id} is still {self.status}")
             time.sleep(_FOLLOW_EVERY_S)
-        with open(self._outcome_path, "rb") as file:
-            kind, value = cloudpickle.loads(file.read())
-        open(os.path.join(self.folder, "collected"), "a").close()
+        kind, value = outcome
         if self._watcher is not None:  # the dashboard shows the end before the call returns
             self._watcher.join(timeout=10)
+        self._place.mark_collected()
         if kind == "error":
             raise value.with_traceback(None)
         return value
 
-    def _lost_message(self) -> str:
-        logs = self.log_dir or os.path.join(self.folder, "supervisor.log")
-        return (f"the supervisor of detached launch {self.launch_id} ({self.state()['function']}) died before "
-                f"the launch ended; its ranks were stopped with it. What they printed is in {logs}; "
-                f"the supervisor's own output in {os.path.join(self.folder, 'supervisor.log')}")
-
     def cancel(self) -> bool:
         """Stop every rank (their stacks go to the logs); ``result()`` then raises
         LaunchCancelledError. False if the launch had already ended."""
-        return self._signal(signal.SIGTERM)
+        return not self.done() and self._place.signal("cancel")
 
     def request_stacks(self) -> bool:
         """Ask every rank for its stack: the answers appear in the dashboard and the logs."""
-        return self._signal(signal.SIGUSR1)
-
-    def _signal(self, which: int) -> bool:
-        state = self.state()
-        if self.done() or "supervisor_pid" not in state or not store.supervisor_alive(state):
-            return False
-        os.kill(state["supervisor_pid"], which)
-        return True
+        return not self.done() and self._place.signal("stacks")
 
     def logs(self, rank: int) -> str:
         """Rank ``rank``'s whole log so far."""
-        with open(os.path.join(self.log_dir, f"rank{rank}.log"), encoding="utf-8", errors="replace") as log:
-            return log.read()
+        return self._place.logs(rank)
 
     def watch(self, display: Any = "auto") -> None:
         """Show the launch in ``display`` (made here: a widget shows in this cell): everything
         so far, then live, until it ends or :meth:`detach`."""
         self.detach()
         if display == "none":
-            return  # nothing to show: no reason to read the journal
+            return  # nothing to show: no reason to read the events
         shown = make_display(display, self.state()["num_processes"])
         set_stop_handler = getattr(shown, "set_stop_handler", None)
         if set_stop_handler is not None:
@@ -215,16 +215,20 @@ class DetachedLaunch:
             self._watcher = None
 
     def _follow(self, display: Any, stop: threading.Event) -> None:
-        reader = JournalReader(os.path.join(self.folder, "journal"))
+        reader = self._place.reader()
         try:
             while not stop.is_set():
-                for event in reader.read_available():
+                events = reader.read_available()
+                for event in events:
                     display.on_event(event)
                     if isinstance(event, LaunchFinished):
                         return
-                if self.status == "lost":
-                    display.on_event(LaunchFinished(RankState.STOPPED, 0.0, summary=self._lost_message()))
+                status = self.status
+                if status == "lost":
+                    display.on_event(LaunchFinished(RankState.STOPPED, 0.0, summary=self._place.lost_message()))
                     return
+                if not events and status in _FINAL and not reader.read_available():
+                    return  # ended, and its last events are gone (collected elsewhere)
                 stop.wait(_FOLLOW_EVERY_S)
         finally:
             display.close()
@@ -233,4 +237,3 @@ class DetachedLaunch:
         state = self.state()
         return (f"<DetachedLaunch {self.launch_id}: {state['function']} on {state['num_processes']} ranks, "
                 f"{self.status} when shown; attach('{self.launch_id}') from any kernel>")
-
