@@ -27,7 +27,9 @@ from typing import Any
 import cloudpickle
 
 from nblaunch.cluster import placement
+from nblaunch.cluster.ray_home import plan_ray_launch
 from nblaunch.events import Event
+from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning.plan import LaunchRequest
 
 __all__ = ["LaunchKeeper", "KeptOnRay", "start_on_ray", "kept_on_ray", "NAMESPACE"]
@@ -53,12 +55,9 @@ class LaunchKeeper:
         threading.Thread(target=self._run, args=(request,), daemon=True, name="nblaunch-keeper").start()
 
     def _run(self, request_blob: bytes) -> None:
-        from nblaunch.homes import choose_home  # deferred: the keeper's own process, on a node
-        from nblaunch.launch.handle import Launch
-
         try:
             request: LaunchRequest = cloudpickle.loads(request_blob)
-            plan, home = choose_home(request, "ray")
+            plan, home = plan_ray_launch(request)
             self._launch = Launch(plan, request.function, request.args, request.timeout, self, home=home)
             self._info.update(status="running", log_dir=self._launch.log_dir)
             outcome: tuple = ("ok", self._launch.run())
