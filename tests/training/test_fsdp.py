@@ -350,3 +350,18 @@ def trainable_ignored_module():
 def test_what_would_train_wrongly_is_refused_in_prepare(launch, function, match):
     with pytest.raises(RankFailedError, match=match):
         launch(function)
+
+
+def test_one_rank_shards_too_as_accelerate_does_on_one_gpu(launch, tmp_path):
+    """An fsdp_plugin on one rank shards (a process group of one): CPU offload can then fit a
+    model on one GPU, and the checkpoint is the sharded one Accelerate writes there."""
+    checkpoint = str(tmp_path / "checkpoint")
+    (whole,) = launch(train, BLOCKS, num_processes=1)
+    assert set(whole["sharded"]) == {"DTensor"} and whole["distributed_type"] == "DistributedType.FSDP"
+    launch(train, BLOCKS, "no", 6, checkpoint, num_processes=1)
+    assert os.path.isdir(os.path.join(checkpoint, "pytorch_model_fsdp_0"))
+    (resumed,) = launch(train, BLOCKS, "no", None, None, checkpoint, num_processes=1)
+    assert resumed["losses"] == pytest.approx(whole["losses"][6:], abs=1e-6)
+    assert max_difference(resumed["weights"], whole["weights"]) < 1e-6
+    (plain,) = launch(train, None, num_processes=1)  # without a plugin: the model as it was
+    assert set(plain["sharded"]) == {"Parameter"} and plain["distributed_type"] == "DistributedType.NO"

@@ -101,7 +101,7 @@ class AcceleratorHost:
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self._sharding is not None and self.state.num_processes > 1:
+        if self._sharding is not None:
             return DistributedType.FSDP
         return self.state.distributed_type
 

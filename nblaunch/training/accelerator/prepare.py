@@ -67,8 +67,8 @@ class PrepareMethods(AcceleratorHost):
         """Move to the device, wrap the forward in autocast (mixed precision), wrap in DDP, or
         shard it with FSDP2 when the Accelerator has an ``fsdp_plugin``.
 
-        DDP and FSDP are used only with more than one process and trainable parameters (and not
-        with ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients
+        DDP is used only with more than one process, FSDP (an ``fsdp_plugin``) with one too, both
+        only for trainable parameters (and not with ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients
         there). Moving to XLA and sharding make new parameters: an optimizer prepared after is
         pointed at them.
         """
@@ -79,15 +79,17 @@ class PrepareMethods(AcceleratorHost):
             return model
         if device_placement is None:
             device_placement = self.device_placement
-        distribute = (self.num_processes > 1 and not evaluation_mode and not self._on_xla
-                      and any(p.requires_grad for p in model.parameters()))
-        shard = distribute and self._sharding is not None
+        trainable = not evaluation_mode and not self._on_xla and any(p.requires_grad for p in model.parameters())
+        distribute = self.num_processes > 1 and trainable
+        # One process shards too, as Accelerate does on one GPU: CPU offload, the same checkpoints.
+        shard = trainable and self._sharding is not None
         before = dict(model.named_parameters())
         if device_placement and not shard:  # sharding moves one unit at a time, or offloads
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
         if self._autocast_dtype is not None and not isinstance(model.__dict__.get("forward"), AutocastForward):
             model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
         if shard:
+            self.state.ensure_process_group()
             model = shard_model(model, self._sharding, self.device)
         elif distribute:
             model = wrap_ddp(model, self.device, self.ddp_options)

@@ -110,7 +110,7 @@ def _load_sharded(prepared: Prepared, input_dir: str, strict: bool, owners: list
             if not os.path.isdir(path):
                 raise FileNotFoundError(
                     f"{input_dir!r} has no {os.path.basename(path)}/: it was saved from a model that was not "
-                    "sharded (no fsdp_plugin, one process, or Accelerate's FULL_STATE_DICT); load it the same "
+                    "sharded (no fsdp_plugin, or Accelerate's FULL_STATE_DICT); load it the same "
                     "way, or save with state_dict_type SHARDED_STATE_DICT")
             state = {"model": sharded_state(model)}
             dcp.load(state, checkpoint_id=path)
@@ -181,8 +181,8 @@ def _load_weights(model: torch.nn.Module, input_dir: str, i: int, strict: bool) 
     weights = layout.read_weights(input_dir, i)
     if weights is None:
         if os.path.isdir(os.path.join(input_dir, layout.sharded_model_dir(i))):
-            raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with fsdp_plugin on several "
-                                    "ranks): load it the same way")
+            raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with an fsdp_plugin): load it "
+                                    "the same way, with Accelerator(fsdp_plugin=...)")
         raise FileNotFoundError(
             f"{input_dir!r} has no {layout.weights_name(i, safe=True)} or {layout.weights_name(i, safe=False)} "
             f"for prepared model {i} (it holds {sorted(os.listdir(input_dir))}): give the directory save_state "

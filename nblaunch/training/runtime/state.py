@@ -213,6 +213,15 @@ class PartialState:
                 f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
                 f"Local process index: {self.local_process_index}\nDevice: {self.device}\n")
 
+    def ensure_process_group(self) -> None:
+        """A process group even for one process (FSDP shards over one: CPU offload, and the
+        checkpoints Accelerate writes on one GPU), made here in memory if there is none."""
+        if dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.__dict__.update(backend=backend, _owns_group=True)
+
     # -- synchronisation ------------------------------------------------------------------------
 
     def wait_for_everyone(self) -> None:
