@@ -4,7 +4,7 @@ Each measurement runs in a subprocess of its own with a hard time limit (its pro
 killed past it), so one failure or hang does not poison the others. Results go to
 ``benchmarks/results/latest.json`` and ``latest.md`` (or ``--out DIR``).
 
-Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp (default: all).
+Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu (default: all).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ MEASUREMENTS = {
     "warm": ("benchmarks.m_warm:run", "7. Warm ranks: a call on ranks kept up, against starting them per call", 240),
     "ray": ("benchmarks.m_ray:run", "8. Several machines on Ray: 2 nodes simulated here, 2 ranks each", 600),
     "fsdp": ("benchmarks.m_fsdp:run", "9. A model sharded over 2 ranks (FSDP2) against DDP", 600),
+    # Measures nothing (and says why) without a CUDA device; tools/gpu_lane.sh runs it on one.
+    "gpu": ("benchmarks.m_gpu:run", "10. One CUDA GPU: a small transformer's steps/s, a launch after CUDA was "
+            "initialised, a failure", 420),
 }
 
 

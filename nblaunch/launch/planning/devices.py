@@ -49,6 +49,20 @@ def cuda_device_count() -> int:
 
 
 def cuda_initialized() -> bool:
-    """True if this process has already initialised CUDA (so it must not fork)."""
+    """True if this process has already initialised CUDA (so it must not fork): torch's CUDA,
+    or only the driver, which ``torch.cuda.is_available()`` initialises without saying so."""
     torch = sys.modules.get("torch")  # not imported means not initialised
-    return bool(torch is not None and torch.cuda.is_initialized())
+    return bool(torch is not None and torch.cuda.is_initialized()) or _driver_initialized()
+
+
+_CUDA_SUCCESS = 0  # cuDeviceGetCount before cuInit: CUDA_ERROR_NOT_INITIALIZED (3)
+
+
+def _driver_initialized() -> bool:
+    """Whether the CUDA driver is loaded in this process and initialised (cuInit has run)."""
+    try:  # RTLD_NOLOAD: only a library this process already loaded; never loads the driver
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return driver.cuDeviceGetCount(ctypes.byref(count)) == _CUDA_SUCCESS

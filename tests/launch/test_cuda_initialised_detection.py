@@ -1,0 +1,225 @@
+"""The CPU side of issue 31's GPU lane: what can be checked without a GPU, with real parts.
+
+- Whether CUDA was initialised in the launching process decides fork or spawn. nblaunch asks
+  ``torch.cuda.is_initialized()``; a CPU build of torch can never reach that state (its lazy init
+  refuses: "Torch not compiled with CUDA enabled"), which the first test shows. So the spawn branch
+  is driven here by the one flag torch's lazy init sets, set by hand in a child interpreter (the one
+  stand-in of this file, for torch's state, not nblaunch's); everything after it is real: the plan,
+  the line the display prints, spawned ranks, the refusal of ``start_method="fork"``.
+  tests/gpu/test_gpu_1_cuda_initialised_kernel.py checks the real thing in a real kernel on a GPU.
+- The refusals of a one-GPU machine, through nblaunch's real NVML probe: a child interpreter loads
+  a stand-in NVIDIA driver library (``libnvidia-ml.so.1``, built here with the C compiler, reporting
+  one GPU), so the probe, ``CUDA_VISIBLE_DEVICES`` and the plan all run as on Colab's T4.
+- tools/gpu_lane.sh runs end to end in a copy of the repository and reports "no CUDA device".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nblaunch.launch.planning import devices
+from nblaunch.launch.planning.plan import start_method_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_child(script: str, tmp_path, env: dict | None = None, timeout: float = 180) -> tuple[dict, str]:
+    """Run ``script`` in a fresh interpreter; its ``RESULT {json}`` line and everything it printed."""
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    proc = subprocess.run([sys.executable, str(path)], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [line] = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):]), proc.stdout
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks a CPU build of torch; tests/gpu checks CUDA builds")
+def test_a_cpu_build_of_torch_never_initialises_cuda_so_the_launcher_forks():
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        torch.cuda.init()
+    assert not torch.cuda.is_initialized() and not devices.cuda_initialized()
+    assert start_method_for(None, False) == ("fork", "the quickest start: each process begins as a copy of this one")
+
+
+def test_without_torch_imported_cuda_counts_as_untouched(tmp_path):
+    found, _ = run_child("import json, sys\nfrom nblaunch.launch.planning import devices\n"
+                         "print('RESULT ' + json.dumps([devices.cuda_initialized(), 'torch' in sys.modules]))", tmp_path)
+    assert found == [False, False]
+
+
+CUDA_INITIALISED = '''
+import json, os
+import torch
+
+torch.cuda._initialized = True  # the flag torch's lazy init sets (a CPU build cannot set it itself)
+from nblaunch import LaunchConfigError, notebook_launcher
+from nblaunch.launch.planning import devices
+
+def where():
+    import os
+    return os.getpid()
+
+out = {"detected": devices.cuda_initialized(), "parent": os.getpid()}
+out["spawned"] = notebook_launcher(where, num_processes=2, display="text")
+try:
+    notebook_launcher(where, num_processes=1, start_method="fork", display="none")
+except LaunchConfigError as error:
+    out["fork"] = str(error)
+out["cpu"] = notebook_launcher(where, num_processes=1, cpu=True, display="text")
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_cuda_initialised_in_the_launcher_spawns_says_so_in_one_line_and_refuses_fork(tmp_path):
+    found, printed = run_child(CUDA_INITIALISED, tmp_path)
+    assert found["detected"] is True
+    assert len(found["spawned"]) == 2 and found["parent"] not in found["spawned"]
+    spawn_lines = [l for l in printed.splitlines() if "started by spawn" in l]
+    assert len(spawn_lines) == 1, printed
+    assert re.search(r"started by spawn \(CUDA is already initialised in this process, and forked workers could "
+                     r"not use it\)", spawn_lines[0])
+    assert found["fork"] == (
+        "start_method='fork' would break CUDA in the workers: CUDA is already initialised in this process. Use "
+        "start_method=None (nblaunch then spawns), or move the CUDA code into the function.")
+    # cpu=True hides the GPUs from the ranks: nothing there uses CUDA, so the quick fork is safe.
+    assert len(found["cpu"]) == 1 and "started by fork (the quickest start" in printed
+
+
+FAKE_NVML = r'''
+#include <stdlib.h>
+int nvmlInit_v2(void) { return 0; }
+int nvmlShutdown(void) { return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *count) {
+    const char *gpus = getenv("FAKE_NVML_GPUS");
+    *count = gpus ? (unsigned int) atoi(gpus) : 0;
+    return 0;
+}
+'''
+
+ONE_GPU_MACHINE = '''
+import json, os
+from nblaunch import LaunchConfigError, WarmRanks, notebook_launcher
+from nblaunch.launch.planning import devices
+from nblaunch.launch.planning.plan import LaunchRequest, make_plan
+
+def where():
+    import os, torch
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
+
+default = make_plan(LaunchRequest(where))
+out = {"count": devices.cuda_device_count(), "default": [default.num_processes, default.device_kind, default.devices]}
+for name, call in (("launch", lambda: notebook_launcher(where, num_processes=2, display="none")),
+                   ("warm", lambda: WarmRanks(num_processes=2, display="none"))):
+    try:
+        call()
+        out[name] = None
+    except LaunchConfigError as error:
+        out[name] = str(error)
+out["cpu"] = notebook_launcher(where, num_processes=2, cpu=True, display="none")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+hidden = make_plan(LaunchRequest(where))
+out["hidden"] = [devices.cuda_device_count(), hidden.num_processes, hidden.device_kind]
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+@pytest.fixture
+def one_gpu_driver(tmp_path):
+    """The environment of a child interpreter that finds a driver reporting one NVIDIA GPU."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in NVIDIA driver library")
+    lib = tmp_path / "driver"
+    lib.mkdir()
+    (lib / "nvml.c").write_text(FAKE_NVML)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / "libnvidia-ml.so.1"), str(lib / "nvml.c")], check=True)
+    env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")])),
+           "FAKE_NVML_GPUS": "1"}
+    return env
+
+
+def test_a_one_gpu_machine_refuses_two_gpu_ranks_and_runs_cpu_ranks(tmp_path, one_gpu_driver):
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        pytest.skip("CUDA_VISIBLE_DEVICES is set here; the one-GPU machine has it unset")
+    found, _ = run_child(ONE_GPU_MACHINE, tmp_path, one_gpu_driver)
+    assert found["count"] == 1
+    assert found["default"] == [1, "cuda", "1 CUDA GPU"]  # one rank per GPU when num_processes is left out
+    refusal = ("num_processes=2, but 1 GPU is visible and a GPU rank needs a GPU of its own: pass num_processes=1 "
+               "(or leave it out), or cpu=True to run 2 ranks on the CPU (to try or debug distributed code).")
+    assert found["launch"] == refusal and found["warm"] == refusal
+    assert found["cpu"] == [["", False], ["", False]]  # the GPU hidden in every rank
+    assert found["hidden"] == [0, 2, "cpu"]  # CUDA_VISIBLE_DEVICES="" in the notebook: a CPU machine
+
+
+@pytest.mark.slow
+def test_the_gpu_lane_runs_here_end_to_end_and_reports_no_cuda_device(tmp_path):
+    if torch.version.cuda is not None and devices.cuda_device_count():
+        pytest.skip("a CUDA device is here: run tools/gpu_lane.sh itself")
+    copy = tmp_path / "repo"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("nblaunch", "benchmarks", "tools"):
+        shutil.copytree(os.path.join(ROOT, name), copy / name, ignore=ignore)
+    shutil.copytree(os.path.join(ROOT, "tests", "gpu"), copy / "tests" / "gpu", ignore=ignore)
+    for name in ("pyproject.toml", "README.md", "LICENSE", "tests/conftest.py", "tests/nbcells.py"):
+        shutil.copy(os.path.join(ROOT, name), copy / name)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_LANE_PYTHON": sys.executable, "GPU_LANE_VENV": str(tmp_path / "venv"),
+           "GPU_LANE_BUDGET_S": "300"}
+    proc = subprocess.run(["bash", "tools/gpu_lane.sh"], cwd=copy, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["benchmark.json", "benchmark.md", "junit.xml", "lane.log", "report.md",
+                                       "status.json", "versions.json"]
+    report = (out / "report.md").read_text()
+    assert "**no CUDA device**" in report
+    for item in range(1, 8):
+        assert re.search(rf"^## {item}\. .*: skipped$", report, re.M), report
+    assert "0 passed, 0 failed, 0 errors" in report
+    assert "nothing measured: no CUDA device" in (out / "benchmark.md").read_text()
+    assert not (tmp_path / "venv").exists()  # the lane removes its venv
+
+
+FAKE_DRIVER = r'''
+#include <stdlib.h>
+/* cuDeviceGetCount as the CUDA driver answers it: 3 (not initialised) until cuInit has run. */
+int cuDeviceGetCount(int *count) {
+    const char *initialised = getenv("FAKE_CUDA_INITIALISED");
+    if (!initialised || initialised[0] != '1') return 3;
+    *count = 1;
+    return 0;
+}
+'''
+
+DRIVER_PROBE = '''
+import ctypes, json, sys
+from nblaunch.launch.planning import devices
+before = devices.cuda_initialized()          # the driver is not loaded in this process
+ctypes.CDLL("libcuda.so.1")                  # what torch.cuda.is_available() does first
+print("RESULT " + json.dumps({"not_loaded": before, "loaded": devices.cuda_initialized(),
+                  "torch_flag": sys.modules["torch"].cuda.is_initialized() if "torch" in sys.modules else None}))
+'''
+
+
+@pytest.mark.parametrize("initialised", [True, False])
+def test_a_driver_initialised_without_torch_knowing_is_detected(tmp_path, initialised):
+    """torch.cuda.is_available() runs cuInit without setting torch's own flag: a fork then breaks
+    CUDA in the ranks. The launcher asks the driver itself (a stand-in here, built with cc)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in CUDA driver library")
+    lib = tmp_path / "driver"
+    lib.mkdir()
+    (lib / "cuda.c").write_text(FAKE_DRIVER)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / "libcuda.so.1"), str(lib / "cuda.c")], check=True)
+    env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")])),
+           "FAKE_CUDA_INITIALISED": "1" if initialised else "0"}
+    found, _ = run_child(DRIVER_PROBE, tmp_path, env)
+    assert found == {"not_loaded": False, "loaded": initialised, "torch_flag": None}
