@@ -15,6 +15,7 @@ from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning.plan import LaunchRequest
+from nblaunch.warm.detached import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
 
 
@@ -164,10 +165,10 @@ def _refuse_launch_options_on_warm_ranks(given: dict[str, Any]) -> None:
         )
 
 
-def _run_on_warm_ranks(ranks: WarmRanks, function: Callable, args: tuple, num_processes: Any, block: bool,
+def _run_on_warm_ranks(ranks: WarmRanks | DetachedWarmRanks, function: Callable, args: tuple, num_processes: Any, block: bool,
                        num_nodes: int, timeout: float | None, display: Any) -> list[Any]:
     __tracebackhide__ = True
-    if not isinstance(ranks, WarmRanks):
+    if not isinstance(ranks, (WarmRanks, DetachedWarmRanks)):
         raise LaunchConfigError(f"ranks must be a WarmRanks, got {type(ranks).__name__}")
     if num_processes is not None and num_processes != ranks.num_processes:
         raise LaunchConfigError(f"num_processes={num_processes!r}, but the warm ranks are {ranks.num_processes}: "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nblaunch.cli.outcome import FAILED, INTERRUPTED, outcome_in_terminal
-from nblaunch.detached.handle import LaunchLostError, attach, launches
+from nblaunch.detached.handle import LaunchLostError, attach, find, launches
 
 __all__ = ["LIST", "ATTACH", "STOP"]
 
@@ -27,9 +27,9 @@ class _Command:
 
 
 def _add_list(commands: argparse._SubParsersAction) -> None:
-    commands.add_parser("ls", help="list your detached launches",
-                        description="This user's detached launches on this machine: id, state, start, "
-                                    "function, ranks, log folder.")
+    commands.add_parser("ls", help="list your detached launches and warm ranks",
+                        description="This user's detached launches and detached warm ranks on this machine: "
+                                    "id, state, start, function, ranks, log folder.")
 
 
 def _list(options: argparse.Namespace) -> int:
@@ -71,14 +71,15 @@ def _attach(options: argparse.Namespace) -> int:
 
 
 def _add_stop(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("stop", help="stop a detached launch", description="Stop every rank of a "
-                                 "detached launch (their stacks go to their logs).")
+    parser = commands.add_parser("stop", help="stop a detached launch or detached warm ranks",
+                                 description="Stop every rank of a detached launch (their stacks go to their "
+                                             "logs), or close detached warm ranks.")
     parser.add_argument("launch_id", metavar="ID", help="the launch (a unique start of its id)")
 
 
 def _stop(options: argparse.Namespace) -> int:
     try:
-        launch = attach(options.launch_id, display="none")
+        launch = find(options.launch_id, kinds=("launch", "pool"))
     except LookupError as error:
         print(f"nblaunch stop: {error}", file=sys.stderr)
         return FAILED

@@ -20,7 +20,7 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["listen", "accept", "connect", "send", "receive", "ChannelClosed"]
+__all__ = ["listen", "accept", "connect", "send", "receive", "ChannelClosed", "ChannelUnreadable"]
 
 _HEADER = struct.Struct("<Q")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -28,6 +28,10 @@ _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 class ChannelClosed(ConnectionError):
     """The other end went away."""
+
+
+class ChannelUnreadable(ValueError):
+    """A whole message came, but it cannot be unpickled here (a module this process lacks)."""
 
 
 def _address(launch_id: str) -> str:
@@ -71,8 +75,14 @@ def send(connection: socket.socket, message: Any) -> None:
 
 
 def receive(connection: socket.socket) -> Any:
+    """The next message; ``TimeoutError`` past the connection's timeout (if it has one) before
+    the message began."""
     (length,) = _HEADER.unpack(_exactly(connection, _HEADER.size))
-    return cloudpickle.loads(_exactly(connection, length))
+    body = _exactly(connection, length)
+    try:
+        return cloudpickle.loads(body)
+    except Exception as error:
+        raise ChannelUnreadable(f"{type(error).__name__}: {error}") from None
 
 
 def _exactly(connection: socket.socket, size: int) -> bytes:
@@ -80,6 +90,11 @@ def _exactly(connection: socket.socket, size: int) -> bytes:
     while left:
         try:
             chunk = connection.recv(min(left, 1 << 20))
+        except TimeoutError:
+            if left == size:
+                raise  # nothing of this message yet: the caller may wait on
+            connection.settimeout(None)  # mid-message: the rest is on its way
+            continue
         except OSError as error:
             raise ChannelClosed(str(error)) from None
         if not chunk:

@@ -29,7 +29,7 @@ from nblaunch.display import make_display
 from nblaunch.events import LaunchFinished, RankState
 from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
 
-__all__ = ["DetachedLaunch", "LaunchInfo", "LaunchLostError", "start_detached", "launches", "attach"]
+__all__ = ["DetachedLaunch", "LaunchInfo", "LaunchLostError", "start_detached", "launches", "attach", "find"]
 
 _FOLLOW_EVERY_S = 0.05  # how often a watcher looks for new events: the dashboard's own pace
 _FINAL = ("done", "failed", "timed out", "cancelled", "interrupted")
@@ -56,10 +56,10 @@ def start_detached(request: LaunchRequest, plan: LaunchPlan, display: Any, clust
     return launch
 
 
-def _all_kept() -> list[KeptLaunch]:
-    """This user's launches kept here, then those kept on the Ray cluster this process is
-    connected to (if it is: Ray is never loaded or joined for this)."""
-    places: list[KeptLaunch] = [KeptInAFolder(folder) for folder in store.launch_folders(kind="launch")]
+def _all_kept(kinds: tuple[str, ...] = ("launch",)) -> list[KeptLaunch]:
+    """This user's launches (of ``kinds``) kept here, then those kept on the Ray cluster this
+    process is connected to (if it is: Ray is never loaded or joined for this)."""
+    places: list[KeptLaunch] = [KeptInAFolder(folder) for kind in kinds for folder in store.launch_folders(kind=kind)]
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         from nblaunch.cluster.kept import kept_on_ray  # deferred: Ray is optional
@@ -78,9 +78,11 @@ class LaunchInfo:
     started: str
     ranks: int
     log_dir: str
+    kind: str = "launch"  # or "pool": detached warm ranks (WarmRanks.attach() runs on them)
 
     def __repr__(self) -> str:
-        return f"{self.id}  {self.status:<11} {self.started}  {self.function} on {self.ranks} ranks  logs: {self.log_dir}"
+        what = f"warm ranks, {self.ranks} processes" if self.kind == "pool" else f"{self.function} on {self.ranks} ranks"
+        return f"{self.id}  {self.status:<11} {self.started}  {what}  logs: {self.log_dir}"
 
 
 class _Listing(list):
@@ -89,16 +91,16 @@ class _Listing(list):
 
 
 def launches() -> list[LaunchInfo]:
-    """This user's detached launches on this machine, oldest first. Finished ones are kept a day
-    after ``result()`` collected them, a week otherwise."""
+    """This user's detached launches (and detached warm ranks), oldest first. Finished ones are
+    kept a day after ``result()`` collected them, a week otherwise."""
     store.prune()
     listing = _Listing()
-    for place in _all_kept():
+    for place in _all_kept(kinds=("launch", "pool")):
         launch = DetachedLaunch(place)
         state = launch.state()
         listing.append(LaunchInfo(state["id"], state["function"], launch.status,
                                   time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state["started"])),
-                                  state["num_processes"], state.get("log_dir", "")))
+                                  state["num_processes"], state.get("log_dir", ""), state.get("kind", "launch")))
     return listing
 
 
@@ -106,7 +108,15 @@ def attach(launch_id: str | None = None, display: Any = "auto") -> "DetachedLaun
     """The detached launch ``launch_id`` (or the latest; a unique prefix will do), its dashboard
     replayed in this cell and then live. Watching never changes the launch: stop watching with
     ``detach()``, stop the launch with ``cancel()``."""
-    every = _all_kept()
+    launch = find(launch_id)
+    launch.watch(display)
+    return launch
+
+
+def find(launch_id: str | None, kinds: tuple[str, ...] = ("launch",)) -> "DetachedLaunch":
+    """The detached launch (or, with "pool" in ``kinds``, warm ranks) ``launch_id`` (a unique
+    start of its id; None: the latest), not watched."""
+    every = _all_kept(kinds)
     places = every
     if launch_id is not None:
         places = [place for place in every if place.launch_id.startswith(launch_id)]
@@ -117,9 +127,7 @@ def attach(launch_id: str | None = None, display: Any = "auto") -> "DetachedLaun
                               f"(launches(): {known})")
     elif not places:
         raise LookupError("no detached launch to attach to: notebook_launcher(..., detach=True) starts one")
-    launch = DetachedLaunch(places[-1])
-    launch.watch(display)
-    return launch
+    return DetachedLaunch(places[-1])
 
 
 class DetachedLaunch:

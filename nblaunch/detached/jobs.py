@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ import cloudpickle
 
 from nblaunch.detached import store
 from nblaunch.detached.journal import JournalWriter
-from nblaunch.detached.supervisor import finish
 from nblaunch.homes import choose_home
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning.plan import LaunchRequest
@@ -32,7 +32,7 @@ __all__ = ["start_supervisor", "LaunchJob"]
 
 
 def start_supervisor(job: Any, **state: Any) -> str:
-    """Write ``job`` (an object with ``run(folder)``) to a new launch folder, start its supervisor
+    """Write ``job`` (an object with ``run(folder, stop_requested)``) to a new launch folder, start its supervisor
     outside this process's tree, and return the folder. ``state`` goes to ``state.json``."""
     launch_id = uuid.uuid4().hex[:12]
     folder = store.new_launch_folder(launch_id)
@@ -55,21 +55,23 @@ class LaunchJob:
 
     request: LaunchRequest
 
-    def run(self, folder: str) -> None:
+    def run(self, folder: str, stop_requested: threading.Event) -> None:
         try:
             plan, home = choose_home(self.request, None)
             journal = JournalWriter(os.path.join(folder, "journal"))
             launch = Launch(plan, self.request.function, self.request.args, self.request.timeout, journal, home=home)
         except BaseException as error:
-            finish(folder, "failed", ("error", error))
+            store.finish(folder, "failed", ("error", error))
             raise
         store.write_state(folder, log_dir=launch.log_dir, status="running")
         signal.signal(signal.SIGTERM, lambda *_: launch.cancel())
         signal.signal(signal.SIGUSR1, lambda *_: launch.request_stacks())
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # no terminal: an interrupt is not this user's wish
+        if stop_requested.is_set():  # cancelled while it was being set up
+            launch.cancel()
         launch.start(stop_at_exit=False)
         try:  # the main thread's wait is interrupted by the signals, whose handlers run here
             outcome = ("ok", launch.result())
         except BaseException as error:
             outcome = ("error", error)
-        finish(folder, launch.status, outcome)
+        store.finish(folder, launch.status, outcome)

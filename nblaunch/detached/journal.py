@@ -129,7 +129,10 @@ class JournalReader:
             end = position + _HEADER.size + length
             if end > len(data):
                 break  # being written: the rest comes with the next read
-            events.append(cloudpickle.loads(data[position + _HEADER.size:end]))
+            try:
+                events.append(cloudpickle.loads(data[position + _HEADER.size:end]))
+            except Exception:  # a result or error of a class this process cannot import: outcome.pkl says
+                pass
             position = end
         self.offset += position
         return events

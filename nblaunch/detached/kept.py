@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Any, Protocol
@@ -81,9 +82,18 @@ class KeptInAFolder:
     def outcome(self) -> tuple[str, Any] | None:
         try:
             with open(os.path.join(self.folder, "outcome.pkl"), "rb") as file:
-                return cloudpickle.loads(file.read())
+                data = file.read()
         except FileNotFoundError:
             return None
+        try:
+            return cloudpickle.loads(data)
+        except Exception as error:  # a class of the launch's, not importable here
+            with open(os.path.join(self.folder, "where.json"), encoding="utf-8") as file:
+                where = json.load(file)
+            return ("error", RuntimeError(
+                f"the launch ended, but its outcome cannot be read in this process ({type(error).__name__}: {error}): "
+                f"it needs what the launching kernel could import (its folder {where['cwd']} and sys.path); "
+                "import that module here, then call result() again"))
 
     def mark_collected(self) -> None:
         open(os.path.join(self.folder, "collected"), "a").close()

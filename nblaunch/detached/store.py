@@ -25,11 +25,14 @@ import os
 import shutil
 import stat
 import time
+import warnings
 from typing import Any
+
+import cloudpickle
 
 from nblaunch import proctree
 
-__all__ = ["supervisor_alive", "state_root", "detached_root", "launch_folders", "new_launch_folder", "read_state", "write_state",
+__all__ = ["finish", "supervisor_alive", "state_root", "detached_root", "launch_folders", "new_launch_folder", "read_state", "write_state",
            "write_atomically", "prune", "NotYoursError", "RETENTION_S", "COLLECTED_RETENTION_S"]
 
 # An outcome nobody collected is kept a week; one a kernel collected, a day (documented in docs/usage.md).
@@ -78,10 +81,16 @@ def launch_folders(kind: str | None = None) -> list[str]:
     """This user's launch folders, oldest first (by when they were started); only those of
     ``kind`` ("launch" or "pool", detached warm ranks) if given."""
     root = detached_root()
-    folders = [os.path.join(root, name) for name in os.listdir(root)
-               if os.path.isfile(os.path.join(root, name, "state.json"))]
-    states = {folder: read_state(folder) for folder in folders}
-    folders = [folder for folder in folders if kind is None or states[folder].get("kind") == kind]
+    states = {}
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        try:
+            states[folder] = read_state(folder)
+        except FileNotFoundError:
+            continue  # being made, or removed by another kernel's prune
+        except (OSError, ValueError) as error:  # one bad folder must not hide the others
+            warnings.warn(f"skipping {folder}: {error} (remove it if it is not a launch of yours)", stacklevel=2)
+    folders = [folder for folder, state in states.items() if kind is None or state.get("kind") == kind]
     return sorted(folders, key=lambda folder: states[folder].get("started", 0.0))
 
 
@@ -129,8 +138,13 @@ def prune(now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     removed = []
     for folder in launch_folders():
-        state = read_state(folder)
+        try:
+            state = read_state(folder)
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or unreadable (launch_folders said so)
         ended = state.get("ended")
+        if ended is None and not supervisor_alive(state):  # lost: ended when its state last changed
+            ended = os.path.getmtime(os.path.join(folder, "state.json"))
         if ended is None:
             continue
         collected = os.path.exists(os.path.join(folder, "collected"))
@@ -138,3 +152,15 @@ def prune(now: float | None = None) -> list[str]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(state["id"])
     return removed
+
+
+def finish(folder: str, status: str, outcome: tuple) -> None:
+    """Keep a job's ``outcome`` (``("ok", results)`` or ``("error", exception)``) for ``result()``,
+    then mark it ended."""
+    try:
+        data = cloudpickle.dumps(outcome)
+    except Exception as error:  # results that cannot be pickled: say so instead of losing the end
+        data = cloudpickle.dumps(("error", RuntimeError(f"the job ended ({status}) but its outcome could not "
+                                                        f"be kept: {error!r}")))
+    write_atomically(os.path.join(folder, "outcome.pkl"), data)
+    write_state(folder, status=status, ended=time.time())

@@ -5,36 +5,47 @@ child in the kernel's process tree and lives in a session of its own: a kernel's
 SIGKILL does not reach it. It reads the job the kernel left in FOLDER (``request.pkl``: an object
 with ``run(folder)``, :class:`~nblaunch.detached.jobs.LaunchJob` for a launch, a warm pool's job
 for detached warm ranks) where the kernel would have read it (its folder and ``sys.path``), runs
-it, and exits. What the job ends with is in FOLDER (``outcome.pkl``, ``state.json``).
+it, and exits. What the job ends with is in FOLDER (``outcome.pkl``, ``state.json``). A SIGTERM before the job is under way is kept for it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-import time
+import threading
 
 import cloudpickle
 
 from nblaunch import proctree
 from nblaunch.detached import store
 
-__all__ = ["main", "finish"]
+__all__ = ["main"]
 
 
 def main(folder: str) -> None:
+    recorded, record = os.pipe()
     if os.fork():
+        # The kernel's starter returns once the supervisor is recorded: a cancel() right after
+        # the launch call then finds it.
+        os.close(record)
+        os.read(recorded, 1)
         os._exit(0)  # the kernel reaps this one at once; the supervisor is adopted by init
+    os.close(recorded)
     os.setsid()
+    stop_requested = threading.Event()  # a cancel before the job is under way: it honours it then
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
     store.write_state(folder, supervisor_pid=os.getpid(), supervisor_start=proctree.start_ticks(os.getpid()),
                       status="starting")
+    os.write(record, b"x")
+    os.close(record)
     try:
         job = _load_job(folder)
     except BaseException as error:  # nothing started: say why where result() looks
-        finish(folder, "failed", ("error", error))
+        store.finish(folder, "failed", ("error", error))
         raise
-    job.run(folder)
+    job.run(folder, stop_requested)
 
 
 def _load_job(folder: str):
@@ -46,17 +57,6 @@ def _load_job(folder: str):
     sys.path[:] = where["sys_path"]
     with open(os.path.join(folder, "request.pkl"), "rb") as file:
         return cloudpickle.loads(file.read())
-
-
-def finish(folder: str, status: str, outcome: tuple) -> None:
-    """Keep ``outcome`` (``("ok", results)`` or ``("error", exception)``) for ``result()``."""
-    try:
-        data = cloudpickle.dumps(outcome)
-    except Exception as error:  # results that cannot be pickled: say so instead of losing the end
-        data = cloudpickle.dumps(("error", RuntimeError(f"the job ended ({status}) but its outcome could not "
-                                                        f"be kept: {error!r}")))
-    store.write_atomically(os.path.join(folder, "outcome.pkl"), data)
-    store.write_state(folder, status=status, ended=time.time())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any, Callable
 
@@ -66,7 +67,9 @@ class DetachedWarmRanks:
     @classmethod
     def start(cls, job: Any, num_processes: int, display: str | Display) -> "DetachedWarmRanks":
         """Start ``job`` (the pool's side, checked already) under a supervisor of its own."""
-        folder = start_supervisor(job, kind="pool", function="warm ranks", num_processes=num_processes)
+        options = {k: v for k, v in job.options.items() if k in ("start_method", "cpu", "mixed_precision")}
+        folder = start_supervisor(job, kind="pool", function="warm ranks", num_processes=num_processes,
+                                  options=options)
         return cls(folder, display)
 
     @classmethod
@@ -87,6 +90,12 @@ class DetachedWarmRanks:
         return self._state()["num_processes"]
 
     @property
+    def shape(self) -> tuple:
+        """How the ranks were started, as ``%%distributed`` compares it: (spawn, nodes, cluster, cpu)."""
+        options = self._state().get("options", {})
+        return (options.get("start_method") == "spawn", 1, None, bool(options.get("cpu")))
+
+    @property
     def alive(self) -> bool:
         """True while the supervisor keeping the ranks is up (the ranks start at the first call,
         and again after a failure, as for WarmRanks)."""
@@ -104,17 +113,40 @@ class DetachedWarmRanks:
             raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
         pickling.check_picklable(function, args)  # names the culprit, before anything is sent
         ipython_errors.install()
-        connection = self._connect()
+        connection = self._when_ready()
         shown = make_display(self._display if display is None else display, self.num_processes)
         try:
             channel.send(connection, ("run", function, args, timeout))
             kind, value = self._answer(connection, shown)
+        except channel.ChannelClosed:
+            raise RuntimeError(f"the supervisor of the detached warm ranks {self.launch_id} went away during the "
+                               f"call: see {os.path.join(self.folder, 'supervisor.log')}") from None
         finally:
             shown.close()
             connection.close()
         if kind == "raised":
             raise value.with_traceback(None)
         return value
+
+    def _when_ready(self) -> Any:
+        """A connection whose turn has come; while another kernel's call runs, say so once. An
+        interrupt while waiting gives up the turn (nothing was sent)."""
+        connection = self._connect()
+        connection.settimeout(1.0)
+        try:
+            while True:
+                try:
+                    channel.receive(connection)  # ("ready",)
+                    break
+                except TimeoutError:
+                    print(f"nblaunch: waiting for another kernel's call on the detached warm ranks "
+                          f"{self.launch_id} to end", file=sys.stderr)
+                    connection.settimeout(None)
+        except BaseException:
+            connection.close()
+            raise
+        connection.settimeout(None)
+        return connection
 
     def _connect(self) -> Any:
         deadline = time.monotonic() + 30  # a backstop: the supervisor listens within a second of starting
@@ -127,14 +159,17 @@ class DetachedWarmRanks:
                 time.sleep(0.05)
 
     def _answer(self, connection: Any, shown: Display) -> tuple[str, Any]:
+        """This call's events, then its answer. The first Ctrl-C interrupts the call there (this
+        kernel's, whose turn it is); the report still comes back here."""
         interrupted = False
         while True:
             try:
                 message = channel.receive(connection)
             except KeyboardInterrupt:
-                if not interrupted:  # stop the call there; its report still comes back here
-                    interrupted = True
-                    os.kill(self._state()["supervisor_pid"], signal.SIGINT)
+                if interrupted:
+                    raise  # a second Ctrl-C: stop waiting (the supervisor goes on stopping the call)
+                interrupted = True
+                os.kill(self._state()["supervisor_pid"], signal.SIGINT)
                 continue
             if message[0] == "event":
                 shown.on_event(message[1])
@@ -147,7 +182,7 @@ class DetachedWarmRanks:
             self._closed = True
             return
         self._closed = True
-        connection = self._connect()
+        connection = self._when_ready()
         with connection:
             channel.send(connection, ("close",))
             channel.receive(connection)

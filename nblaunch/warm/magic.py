@@ -20,8 +20,9 @@ Example::
 
 ``--ray --nodes 2`` keeps the ranks on two nodes of the Ray cluster the notebook is connected to
 (``-n`` ranks on each). ``--detach`` keeps them under a supervisor of their own: after a kernel
-restart, the first ``%%distributed`` cell reattaches to them (and says so), with everything
-earlier cells defined there.
+restart, the first ``%%distributed --detach`` cell reattaches to them (and says so), with
+everything earlier cells defined there; a cell that asks for other ranks is refused, never
+allowed to close them.
 """
 
 from __future__ import annotations
@@ -82,19 +83,29 @@ class DistributedMagics(Magics):
                                                         options.cpu), options.detach)
         self._cells += 1
         sent = self._names_to_send(cell)
-        results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
+        try:
+            results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
+        except BaseException:
+            if isinstance(pool, DetachedWarmRanks):  # its ranks may have been replaced: send names again
+                self._defined_in_ranks = set()
+            raise
         self._defined_in_ranks |= assigned_names(cell)
         return None if all(r is None for r in results) else results
 
     def _pool_for(self, num_processes: int | None, shape: tuple, detach: bool) -> WarmRanks:
         """The pool for this cell: the current one, unless the cell asks for another size or kind;
-        in a kernel without one, this user's detached warm ranks if they are up."""
-        if self.pool is None:
-            self._reattach(shape)
+        with ``--detach`` in a kernel without one, this user's detached warm ranks if they are up."""
+        if self.pool is None and detach:
+            self._reattach(num_processes, shape)
         pool = self.pool
         wanted = num_processes if num_processes is not None else (pool.num_processes if pool else None)
-        newly_detached = detach and not isinstance(pool, DetachedWarmRanks)
-        if pool is not None and (wanted != pool.num_processes or shape != self._shape or newly_detached):
+        changed = pool is not None and (wanted != pool.num_processes or shape != self._shape)
+        if isinstance(pool, DetachedWarmRanks) and changed:  # hours of state: never closed by a side effect
+            raise LaunchConfigError(
+                f"the detached warm ranks {pool.launch_id} have {pool.num_processes} ranks, started "
+                f"{_describe(self._shape)}: run the cell without options that change them, or close them first "
+                "with %distributed stop")
+        if changed or (detach and pool is not None and not isinstance(pool, DetachedWarmRanks)):
             pool.close()
             pool = None
         if pool is None:
@@ -107,16 +118,28 @@ class DistributedMagics(Magics):
             self._defined_in_ranks = set()  # a fresh pool knows nothing of the old one's names
         return pool
 
-    def _reattach(self, shape: tuple) -> None:
-        """Find this user's detached warm ranks (a kernel restarted since ``--detach``), say so,
-        and learn which names their cells defined."""
+    def _reattach(self, num_processes: int | None, shape: tuple) -> None:
+        """Find this user's detached warm ranks (the kernel restarted since a ``--detach`` cell),
+        say so, and learn which names their cells defined. Options the cell gives must match."""
         try:
             pool = WarmRanks.attach()
         except LookupError:
             return
+        except (OSError, ValueError) as error:  # the state folder unreadable: start fresh ranks instead
+            print(f"nblaunch: could not look for detached warm ranks ({error}); starting new ones")
+            return
+        spawn, nodes, cluster, cpu = shape
+        pool_shape = pool.shape
+        asked_otherwise = ((num_processes is not None and num_processes != pool.num_processes)
+                           or (spawn and not pool_shape[0]) or (cpu and not pool_shape[3]))
+        if asked_otherwise:
+            raise LaunchConfigError(
+                f"this user's detached warm ranks {pool.launch_id} have {pool.num_processes} ranks, started "
+                f"{_describe(pool_shape)}, not what this cell asks: leave -n/--spawn/--cpu out to reattach to them, "
+                f"or stop them first (WarmRanks.attach().close(), or nblaunch stop {pool.launch_id})")
         print(f"nblaunch: reattached to the detached warm ranks {pool.launch_id} ({pool.num_processes} processes): "
               "what earlier cells defined there is still there")
-        self.pool, self._shape = pool, shape
+        self.pool, self._shape = pool, pool_shape
         self._defined_in_ranks = set(pool.run(namespace_names, display="none")[0])
 
     def _names_to_send(self, cell: str) -> dict[str, Any]:
@@ -141,6 +164,12 @@ class DistributedMagics(Magics):
             return None
         raise LaunchConfigError(f"%distributed {command}: use '%distributed status' or '%distributed stop', "
                                 "or %%distributed as a cell magic")
+
+
+def _describe(shape: tuple) -> str:
+    spawn, nodes, cluster, cpu = shape
+    parts = ["by spawn" if spawn else "by fork", "on the CPU" if cpu else "on this machine's devices"]
+    return ", ".join(parts + ([f"on {nodes} Ray nodes"] if cluster else []))
 
 
 def used_names(source: str) -> set[str]:

@@ -18,12 +18,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.detached import channel, store
-from nblaunch.detached.supervisor import finish
 from nblaunch.display import make_display
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
 from nblaunch.homes import choose_home
@@ -281,30 +281,45 @@ class WarmRanks:
 class PoolJob:
     """What the supervisor of detached warm ranks runs: an ordinary WarmRanks, and the calls
     kernels send it one at a time (``nblaunch.detached.channel``), each shown in the calling
-    kernel's cell. A kernel that goes away mid-call leaves the call running; the next asks again."""
+    kernel's cell. A caller is told "ready" when its turn comes, so one that waits (another
+    kernel's call runs) and gives up is never served. A kernel that goes away mid-call leaves the
+    call running; a call that cannot be read here is refused; neither ends the ranks."""
 
     options: dict[str, Any]
 
-    def run(self, folder: str) -> None:
+    def run(self, folder: str, stop_requested: threading.Event) -> None:
         pool = WarmRanks(**self.options, display="none")
         server = channel.listen(os.path.basename(folder))
         store.write_state(folder, status="running")
         signal.signal(signal.SIGTERM, lambda *_: self._stop(pool, folder))
+        if stop_requested.is_set():
+            self._stop(pool, folder)
         while True:
             try:
                 connection = channel.accept(server)
-                if connection is not None:
-                    with connection:
-                        if self._serve(pool, connection) == "closed":
-                            finish(folder, "done", ("ok", None))  # before the answer: the caller sees it ended
-                            channel.send(connection, ("closed",))
-                            return
+                if connection is None:
+                    continue
+                with connection:
+                    channel.send(connection, ("ready",))
+                    if self._serve(pool, connection) == "closed":
+                        store.finish(folder, "done", ("ok", None))  # before the answer: the caller sees it ended
+                        channel.send(connection, ("closed",))
+                        return
             except (KeyboardInterrupt, channel.ChannelClosed):
                 continue  # an interrupt for a call already over, or a kernel gone: wait for the next
+            except Exception:  # a bug of ours must not end what the ranks hold: logged, then the next caller
+                traceback.print_exc()
 
     @staticmethod
     def _serve(pool: "WarmRanks", connection: Any) -> str:
-        request = channel.receive(connection)
+        try:
+            request = channel.receive(connection)
+        except channel.ChannelUnreadable as error:
+            channel.send(connection, ("raised", LaunchConfigError(
+                f"the detached warm ranks could not read this call ({error}): they run with the folder and "
+                "sys.path of the kernel that started them; define the function in the notebook, or put its "
+                "module where that kernel would find it")))
+            return "served"
         if request[0] == "close":
             pool.close()
             return "closed"
@@ -321,7 +336,7 @@ class PoolJob:
     @staticmethod
     def _stop(pool: "WarmRanks", folder: str) -> None:
         pool.close()
-        finish(folder, "cancelled", ("ok", None))
+        store.finish(folder, "cancelled", ("ok", None))
         os._exit(0)
 
 

@@ -36,7 +36,7 @@ def test_warm_ranks_and_their_tensor_outlive_the_kernel(state_dir):
     second = Kernel(state_dir)
     try:
         second.run("%load_ext nblaunch")
-        shown = second.run("%%distributed\nkept.tolist(), os.getpid()")
+        shown = second.run("%%distributed --detach\nkept.tolist(), os.getpid()")
         (pool_id,) = re.findall(r"reattached to the detached warm ranks (\w+) \(2 processes\)", shown)
         assert f"[([0.0, 0.0], {pids[0]}), ([1.0, 1.0], {pids[1]})]" in shown, shown
         supervisor = _state(state_dir, pool_id)["supervisor_pid"]

@@ -75,7 +75,8 @@ def test_naming_refuses_to_overwrite_and_explains(tmp_path):
     _prepared(accelerator)
     accelerator.save_state()
     accelerator.project_configuration.iteration = 0
-    with pytest.raises(ValueError, match="checkpoint_0 already exists: set ProjectConfiguration\\(iteration=...\\)"):
+    with pytest.raises(ValueError, match="checkpoint_0 exists, and this save would be checkpoint_0: call "
+                                         "load_state\\(\\) first .*iteration = 1"):
         accelerator.save_state()
     with pytest.raises(ValueError, match="total_limit must be at least 1"):
         ProjectConfiguration(total_limit=0)
@@ -94,3 +95,29 @@ def test_project_dir_and_logging_dir_follow_accelerates_rules(tmp_path):
     accelerator = Accelerator(project_config=config, project_dir=str(tmp_path))
     assert (accelerator.project_dir, accelerator.logging_dir) == (str(tmp_path), str(tmp_path / "logs"))
     assert accelerator.project_configuration is config  # the user's own object, as in Accelerate
+
+
+def test_folders_of_ones_own_among_the_checkpoints_are_never_counted_pruned_or_loaded(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for own in ("checkpoint_best", "best_epoch_97", "v2_baseline"):
+        (checkpoints / own).mkdir(parents=True)
+    accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                                  automatic_checkpoint_naming=True, total_limit=1))
+    model = _prepared(accelerator)
+    accelerator.save_state()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    saved = model.weight.detach().clone()
+    with pytest.warns(UserWarning, match="removing .*checkpoint_0"):
+        accelerator.save_state()
+    assert sorted(os.listdir(checkpoints)) == ["best_epoch_97", "checkpoint_1", "checkpoint_best", "v2_baseline"]
+    resumed = Accelerator(project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                              automatic_checkpoint_naming=True))
+    model = _prepared(resumed)
+    resumed.load_state()
+    assert torch.equal(model.weight, saved) and resumed.save_iteration == 2
+    fresh = Accelerator(project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                            automatic_checkpoint_naming=True))
+    _prepared(fresh)
+    with pytest.raises(ValueError, match="checkpoint_1 exists, and this save would be checkpoint_0"):
+        fresh.save_state()  # a new run that did not load: its save would hide below the newest

@@ -8,7 +8,8 @@ Example::
     accelerator = Accelerator(log_with="tensorboard", project_dir="runs")
     accelerator.init_trackers("digits", config={"lr": 3e-4})
     accelerator.log({"loss": loss}, step=step)                  # the cell's chart and TensorBoard
-    accelerator.get_tracker("tensorboard", unwrap=True).add_histogram("w", model.weight, step)
+    if accelerator.is_main_process:  # the backend's own object exists on the main process only
+        accelerator.get_tracker("tensorboard", unwrap=True).add_histogram("w", model.weight, step)
     accelerator.end_training()
 """
 

@@ -183,6 +183,11 @@ def _load_weights(model: torch.nn.Module, input_dir: str, i: int, strict: bool) 
         if os.path.isdir(os.path.join(input_dir, layout.sharded_model_dir(i))):
             raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with an fsdp_plugin): load it "
                                     "the same way, with Accelerator(fsdp_plugin=...)")
+        if os.path.exists(os.path.join(input_dir, "model.bin")) or os.path.exists(os.path.join(input_dir, "rank_0.pkl")):
+            raise FileNotFoundError(
+                f"{input_dir!r} is in nblaunch's earlier layout (model.bin, rank_N.pkl), which load_state no longer "
+                "reads: load its weights with model.load_state_dict(torch.load('.../model.bin')), or finish that run "
+                "with the nblaunch that wrote it")
         raise FileNotFoundError(
             f"{input_dir!r} has no {layout.weights_name(i, safe=True)} or {layout.weights_name(i, safe=False)} "
             f"for prepared model {i} (it holds {sorted(os.listdir(input_dir))}): give the directory save_state "

@@ -26,9 +26,10 @@ def _checkpoints_dir(config: ProjectConfiguration) -> str:
 
 
 def number_of(directory: str) -> int | None:
-    """The n of ``checkpoint_<n>`` (the last number in the name), None for other names."""
-    found = re.findall(r"([0-9]+)", os.path.basename(os.path.normpath(directory)))
-    return int(found[-1]) if found else None
+    """The n of ``checkpoint_<n>``, None for any other name (a folder of the user's own there
+    is never counted, pruned or loaded)."""
+    found = re.fullmatch(r"checkpoint_([0-9]+)", os.path.basename(os.path.normpath(directory)))
+    return int(found[1]) if found else None
 
 
 def _numbered(parent: str) -> list[tuple[int, str]]:
@@ -44,12 +45,14 @@ def next_checkpoint(config: ProjectConfiguration, is_main_process: bool) -> str:
     before writing."""
     parent = _checkpoints_dir(config)
     target = os.path.join(parent, f"checkpoint_{config.iteration}")
-    if os.path.exists(target):
-        raise ValueError(f"{target} already exists: set ProjectConfiguration(iteration=...) (or "
-                         "accelerator.project_configuration.iteration) to the number the next checkpoint gets")
+    existing = _numbered(parent)
+    if existing and existing[-1][0] >= config.iteration:
+        # Saving below the newest would make it the one load_state() never picks and the next prune drops.
+        raise ValueError(f"{existing[-1][1]} exists, and this save would be checkpoint_{config.iteration}: call "
+                         "load_state() first (the next save then follows the checkpoint it loads), or set "
+                         f"accelerator.project_configuration.iteration = {existing[-1][0] + 1}")
     if is_main_process:
         os.makedirs(parent, exist_ok=True)
-        existing = _numbered(parent)
         if config.total_limit is not None and len(existing) + 1 > config.total_limit:
             doomed = existing[:len(existing) + 1 - config.total_limit]
             warnings.warn(f"total_limit={config.total_limit}: removing {', '.join(path for _, path in doomed)}",
