@@ -169,8 +169,11 @@ def test_tied_weights_are_written_once_and_come_back_tied(tmp_path, safe):
 def test_a_directory_without_the_weights_says_what_it_holds(tmp_path):
     acc = Accelerator()
     acc.prepare(torch.nn.Linear(2, 2))
-    (tmp_path / "rank_0.pkl").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"no model.safetensors or pytorch_model.bin .*rank_0.pkl"):
+    (tmp_path / "notes.txt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors or pytorch_model.bin .*notes.txt"):
+        acc.load_state(tmp_path)
+    (tmp_path / "rank_0.pkl").write_bytes(b"")  # nblaunch's earlier layout
+    with pytest.raises(FileNotFoundError, match=r"in nblaunch's earlier layout .* load_state no longer reads"):
         acc.load_state(tmp_path)
 
 
