@@ -17,8 +17,9 @@ pytest.importorskip("jupyter_client")
 
 from jupyter_client.manager import KernelManager  # noqa: E402
 
+from nblaunch import attach  # noqa: E402
 from nblaunch.detached.journal import JournalReader  # noqa: E402
-from nblaunch.events import RankStarted  # noqa: E402
+from nblaunch.events import Output, RankStarted  # noqa: E402
 
 TRAIN = '''
 from nblaunch import notebook_launcher
@@ -256,3 +257,43 @@ def test_a_supervisor_that_dies_takes_its_ranks_and_attach_says_so(state_dir, tm
         launch.result(timeout=60)
     assert launch.status == "lost"
     _nothing_left(pids)
+
+
+def _hangs(go: str) -> None:
+    import os
+    import time
+
+    print(f"hanging {os.environ['RANK']}", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.05)
+
+
+def test_a_detached_launch_keeps_every_promise_timeout_stacks_and_two_watchers(state_dir, tmp_path, monkeypatch):
+    from nblaunch import LaunchTimeoutError, notebook_launcher
+    from nblaunch.events import Stacks
+
+    from conftest import Recorder
+
+    monkeypatch.setenv("NBLAUNCH_STATE_DIR", state_dir)
+    launch = notebook_launcher(_hangs, args=(str(tmp_path / "never"),), num_processes=2, detach=True,
+                               display="none", timeout=30)
+    first, second = Recorder(), Recorder()
+    attach(launch.launch_id, display=first)
+    watcher = attach(launch.launch_id, display=second)  # two kernels (here: two watchers) at once
+    _wait_for(lambda: sum("hanging" in " ".join(e.lines) for e in first.of(Output)) == 2, "both ranks to print")
+    assert launch.request_stacks()
+    _wait_for(lambda: len({e.rank for e in first.of(Stacks)}) == 2, "every rank's stack")
+    assert all("_hangs" in e.text for e in first.of(Stacks))
+    watcher.detach()  # a viewer leaves: the launch goes on
+    assert launch.status == "running"
+    launch.cancel()
+    with pytest.raises(BaseException) as raised:
+        launch.result(timeout=60)
+    assert type(raised.value).__name__ == "LaunchCancelledError"
+    _wait_for(lambda: first.events and type(first.events[-1]).__name__ == "LaunchFinished", "the watcher's end")
+
+    short = notebook_launcher(_hangs, args=(str(tmp_path / "never"),), num_processes=2, detach=True,
+                              display="none", timeout=2)
+    with pytest.raises(LaunchTimeoutError, match="timeout=2 s"):
+        short.result(timeout=60)
+    assert short.status == "timed out"
