@@ -35,7 +35,15 @@ class DDPCommunicationHookType(str, enum.Enum):
     BATCHED_POWER_SGD = "batched_power_sgd"
 
 
-class PrecisionType(str, enum.Enum):
+class _Listed(str, enum.Enum):
+    """An enum of strings with Accelerate's ``list()``: every value."""
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [member.value for member in cls]
+
+
+class PrecisionType(_Listed):
     """``mixed_precision`` values, as Accelerate names them (nblaunch refuses FP8)."""
 
     NO = "no"
@@ -43,12 +51,8 @@ class PrecisionType(str, enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"
 
-    @classmethod
-    def list(cls) -> list[str]:
-        return [member.value for member in cls]
 
-
-class RNGType(str, enum.Enum):
+class RNGType(_Listed):
     """``rng_types`` values, as Accelerate names them; nblaunch synchronises TORCH, CUDA, XLA
     and GENERATOR."""
 
@@ -62,10 +66,6 @@ class RNGType(str, enum.Enum):
     XPU = "xpu"
     HPU = "hpu"
     GENERATOR = "generator"
-
-    @classmethod
-    def list(cls) -> list[str]:
-        return [member.value for member in cls]
 
 
 @dataclass

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import Any
@@ -67,12 +68,11 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.close()
 
 
-class WandBTracker(GeneralTracker):
-    """A W&B run: ``wandb.init(project=run_name, **kwargs)``; offline with ``WANDB_MODE=offline``
-    or ``init_kwargs={"wandb": {"mode": "offline"}}``."""
+class _RunTracker(GeneralTracker):
+    """A tracker whose package makes a run with ``<package>.init(project=run_name, **kwargs)``
+    and logs, configures and finishes through it (W&B and trackio share this shape)."""
 
-    name = "wandb"
-    requires_logging_directory = False
+    package = ""
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
         super().__init__()
@@ -81,28 +81,38 @@ class WandBTracker(GeneralTracker):
         self.run: Any = None
 
     def start(self) -> None:
-        import wandb  # deferred: optional
-
-        self.run = wandb.init(project=self.run_name, **self.init_kwargs)
+        backend = importlib.import_module(self.package)  # deferred: optional, imported when asked for
+        self.run = backend.init(project=self.run_name, **self.init_kwargs)
 
     @property
     def tracker(self) -> Any:
         return self.run
 
     def store_init_configuration(self, values: dict) -> None:
-        self.run.config.update(plain_values(values), allow_val_change=True)
+        self.run.config.update(plain_values(values))
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         self.run.log(plain_values(values), step=step, **kwargs)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class WandBTracker(_RunTracker):
+    """A W&B run: ``wandb.init(project=run_name, **kwargs)``; offline with ``WANDB_MODE=offline``
+    or ``init_kwargs={"wandb": {"mode": "offline"}}``."""
+
+    name = package = "wandb"
+    requires_logging_directory = False
+
+    def store_init_configuration(self, values: dict) -> None:
+        self.run.config.update(plain_values(values), allow_val_change=True)
 
     def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         import wandb  # deferred: optional
 
         self.run.log({key: [wandb.Image(image) for image in images] for key, images in values.items()},
                      step=step, **kwargs)
-
-    def finish(self) -> None:
-        self.run.finish()
 
 
 class MLflowTracker(GeneralTracker):
@@ -183,36 +193,12 @@ class MLflowTracker(GeneralTracker):
         mlflow.end_run()
 
 
-class TrackioTracker(GeneralTracker):
+class TrackioTracker(_RunTracker):
     """A trackio run: ``trackio.init(project=run_name, **kwargs)``; local (under ``TRACKIO_DIR``)
     unless a ``space_id`` or server is given."""
 
-    name = "trackio"
+    name = package = "trackio"
     requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
-    def start(self) -> None:
-        import trackio  # deferred: optional
-
-        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
-
-    def store_init_configuration(self, values: dict) -> None:
-        self.run.config.update(plain_values(values))
-
-    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        self.run.log(plain_values(values), step=step, **kwargs)
-
-    def finish(self) -> None:
-        self.run.finish()
 
 
 # name -> (class, the package it needs, how to install it)
