@@ -135,16 +135,20 @@ print("RESULT " + json.dumps(out), flush=True)
 @pytest.fixture
 def one_gpu_driver(tmp_path):
     """The environment of a child interpreter that finds a driver reporting one NVIDIA GPU."""
+    return {**stand_in_library(tmp_path, "libnvidia-ml.so.1", FAKE_NVML), "FAKE_NVML_GPUS": "1"}
+
+
+def stand_in_library(tmp_path, name: str, source: str) -> dict[str, str]:
+    """Build a stand-in for a driver library (``source``, C) with the C compiler; the environment
+    of a child interpreter that loads it instead of the real one."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        pytest.skip("no C compiler to build the stand-in NVIDIA driver library")
+        pytest.skip(f"no C compiler to build the stand-in {name}")
     lib = tmp_path / "driver"
-    lib.mkdir()
-    (lib / "nvml.c").write_text(FAKE_NVML)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / "libnvidia-ml.so.1"), str(lib / "nvml.c")], check=True)
-    env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")])),
-           "FAKE_NVML_GPUS": "1"}
-    return env
+    lib.mkdir(exist_ok=True)
+    (lib / f"{name}.c").write_text(source)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / name), str(lib / f"{name}.c")], check=True)
+    return {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")]))}
 
 
 def test_a_one_gpu_machine_refuses_two_gpu_ranks_and_runs_cpu_ranks(tmp_path, one_gpu_driver):
@@ -212,14 +216,7 @@ print("RESULT " + json.dumps({"not_loaded": before, "loaded": devices.cuda_initi
 def test_a_driver_initialised_without_torch_knowing_is_detected(tmp_path, initialised):
     """torch.cuda.is_available() runs cuInit without setting torch's own flag: a fork then breaks
     CUDA in the ranks. The launcher asks the driver itself (a stand-in here, built with cc)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the stand-in CUDA driver library")
-    lib = tmp_path / "driver"
-    lib.mkdir()
-    (lib / "cuda.c").write_text(FAKE_DRIVER)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / "libcuda.so.1"), str(lib / "cuda.c")], check=True)
-    env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")])),
+    env = {**stand_in_library(tmp_path, "libcuda.so.1", FAKE_DRIVER),
            "FAKE_CUDA_INITIALISED": "1" if initialised else "0"}
     found, _ = run_child(DRIVER_PROBE, tmp_path, env)
     assert found == {"not_loaded": False, "loaded": initialised, "torch_flag": None}
