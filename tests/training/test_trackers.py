@@ -187,6 +187,8 @@ def test_tracker_objects_of_ones_own_and_accelerates(tmp_path):
 
 
 def test_log_with_is_checked_when_the_accelerator_is_made(tmp_path, monkeypatch):
+    if importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("tensorboard is not installed")
     with pytest.raises(ValueError, match="unknown tracker 'tensorbaord'"):
         Accelerator(log_with="tensorbaord")
     with pytest.raises(ValueError, match=r"accelerate.tracking.AimTracker"):
