@@ -69,7 +69,8 @@ def test_structures_rebuild_and_tied_parameters_match():
     assert ours.id_tensor_storage(model[0].weight) == ours.id_tensor_storage(model[1].weight)
 
 
-def test_compiled_and_parallel_models_are_unwrapped_as_accelerate_does():
+def test_compiled_and_parallel_models_are_unwrapped_as_accelerate_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # torch 2.9's compile would set it for good
     model = torch.nn.Linear(2, 2)
     compiled = torch.compile(model)
     assert ours.is_compiled_module(compiled) and not ours.is_compiled_module(model)
