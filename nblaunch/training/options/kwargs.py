@@ -21,7 +21,7 @@ from typing import Any
 __all__ = [
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs", "AutocastKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "GradientAccumulationPlugin", "DDPCommunicationHookType",
-    "KwargsHandler", "PrecisionType", "RNGType", "adopt", "refuse_unsupported",
+    "KwargsHandler", "ListedEnum", "PrecisionType", "RNGType", "adopt", "refuse_unsupported",
 ]
 
 
@@ -35,7 +35,7 @@ class DDPCommunicationHookType(str, enum.Enum):
     BATCHED_POWER_SGD = "batched_power_sgd"
 
 
-class _Listed(str, enum.Enum):
+class ListedEnum(str, enum.Enum):
     """An enum of strings with Accelerate's ``list()``: every value."""
 
     @classmethod
@@ -43,7 +43,7 @@ class _Listed(str, enum.Enum):
         return [member.value for member in cls]
 
 
-class PrecisionType(_Listed):
+class PrecisionType(ListedEnum):
     """``mixed_precision`` values, as Accelerate names them (nblaunch refuses FP8)."""
 
     NO = "no"
@@ -52,7 +52,7 @@ class PrecisionType(_Listed):
     BF16 = "bf16"
 
 
-class RNGType(_Listed):
+class RNGType(ListedEnum):
     """``rng_types`` values, as Accelerate names them; nblaunch synchronises TORCH, CUDA, XLA
     and GENERATOR."""
 

@@ -20,15 +20,16 @@ Example::
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 import torch
 
+from nblaunch.training.options.kwargs import ListedEnum
+
 __all__ = ["GeneralTracker", "LoggerType", "plain_values", "chartable"]
 
 
-class LoggerType(str, Enum):
+class LoggerType(ListedEnum):
     """Accelerate's tracker names. nblaunch builds in TENSORBOARD, WANDB, MLFLOW and TRACKIO;
     ALL means every one of those that is installed."""
 
@@ -45,10 +46,6 @@ class LoggerType(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-    @classmethod
-    def list(cls) -> list[str]:
-        return [member.value for member in cls]
 
 
 class GeneralTracker:
