@@ -62,6 +62,23 @@ def rng_fingerprint() -> tuple:
             digest(torch.get_rng_state().numpy().tobytes()))
 
 
+def train_steps(accelerator, model, optimizer, scheduler, loader, steps: int, seen: list):
+    """Two epochs of training from ``steps`` optimizer steps in, resumed as Accelerate's examples
+    resume (``skip_first_batches`` for the rest of the interrupted epoch), with either tool's
+    Accelerator; yields the count after each step and records every batch's sample ids in ``seen``."""
+    start_epoch, skip = divmod(steps, len(loader))
+    for epoch in range(start_epoch, 2):
+        batches = accelerator.skip_first_batches(loader, skip) if epoch == start_epoch and skip else loader
+        for ids, x, y in batches:
+            seen.append(ids.tolist())
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            steps += 1
+            yield steps
+
+
 def train(library: str, checkpoint: str, resume: bool) -> dict:
     """Six steps, saving at step 3; or (``resume``) loading that checkpoint and doing the last three.
 
@@ -89,19 +106,11 @@ def train(library: str, checkpoint: str, resume: bool) -> dict:
     if resume:
         accelerator.load_state(checkpoint)
         result["loaded"] = {"rng": rng_fingerprint(), "steps": counter.steps, "lr": scheduler.get_last_lr()}
-    start_epoch, skip = divmod(counter.steps, len(loader))
-    for epoch in range(start_epoch, 2):
-        batches = accelerator.skip_first_batches(loader, skip) if epoch == start_epoch and skip else loader
-        for ids, x, y in batches:
-            result["seen"].append(ids.tolist())
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            counter.steps += 1
-            if counter.steps == SAVE_AT and not resume:
-                accelerator.save_state(checkpoint)
-                result["saved"] = {"rng": rng_fingerprint(), "steps": counter.steps, "lr": scheduler.get_last_lr()}
+    for steps in train_steps(accelerator, model, optimizer, scheduler, loader, counter.steps, result["seen"]):
+        counter.steps = steps  # a registered object: its state is in the checkpoint
+        if counter.steps == SAVE_AT and not resume:
+            accelerator.save_state(checkpoint)
+            result["saved"] = {"rng": rng_fingerprint(), "steps": counter.steps, "lr": scheduler.get_last_lr()}
     result["weights"] = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
     result["lr"] = scheduler.get_last_lr()
     return result
@@ -236,21 +245,12 @@ def fsdp_train(ours: str, theirs: str, resume: bool) -> dict:
     if resume:
         accelerator.load_state(theirs)
         steps = SAVE_AT
-    start_epoch, skip = divmod(steps, len(loader))
-    for epoch in range(start_epoch, 2):
-        batches = accelerator.skip_first_batches(loader, skip) if epoch == start_epoch and skip else loader
-        for ids, x, y in batches:
-            result["seen"].append(ids.tolist())
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            steps += 1
-            if steps == SAVE_AT and not resume:
-                accelerator.save_state(ours)
-                fsdp_utils.save_fsdp_model(theirs_plugin, accelerator, model, theirs, 0)
-                fsdp_utils.save_fsdp_optimizer(theirs_plugin, accelerator, optimizer.optimizer, model, theirs, 0)
-                result["at_save"] = _local_state(model, optimizer.optimizer)
+    for steps in train_steps(accelerator, model, optimizer, scheduler, loader, steps, result["seen"]):
+        if steps == SAVE_AT and not resume:
+            accelerator.save_state(ours)
+            fsdp_utils.save_fsdp_model(theirs_plugin, accelerator, model, theirs, 0)
+            fsdp_utils.save_fsdp_optimizer(theirs_plugin, accelerator, optimizer.optimizer, model, theirs, 0)
+            result["at_save"] = _local_state(model, optimizer.optimizer)
     result["weights"] = accelerator.get_state_dict(model)
     if resume:
         fresh, fresh_optimizer = build()
