@@ -15,22 +15,20 @@ Example::
     ranks.run(train)                            # [0, 1], on ranks that stay up for the next call
 """
 
-from nblaunch.api import Launch, debug_launcher, notebook_launcher
-from nblaunch.detached.handle import DetachedLaunch, LaunchLostError, attach, launches
+from nblaunch.api import Launch, attach, debug_launcher, launches, notebook_launcher
+from nblaunch.detached.detached_launch import DetachedLaunch, LaunchLostError
+from nblaunch.contract.failure import RankFailure, RemoteError
+from nblaunch.contract.version import __version__
 from nblaunch.launch.errors import (
+    LaunchCancelledError,
     LaunchConfigError,
+    LaunchInterrupted,
     LaunchTimeoutError,
     RankFailedError,
-    RankFailure,
-    LaunchCancelledError,
-    LaunchInterrupted,
-    RemoteError,
 )
 from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.progress import progress
-
-__version__ = "0.1.0"
 
 # The training side (torch.nn, DDP, ...) loads on first use, not when the launcher is imported.
 _TRAINING_NAMES = {
@@ -72,6 +70,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "__version__",
     "notebook_launcher",
     "launches",
     "attach",

@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 
-from nblaunch import __version__
-from nblaunch.cli import demo, detached, env, launch, selftest
+from nblaunch.contract.version import __version__
+from nblaunch.cli import demo_command, detached, env, launch, selftest
 
 _DESCRIPTION = "nblaunch: start PyTorch training on several processes, from a notebook or a terminal."
-_COMMANDS = {"launch": launch, "test": selftest, "env": env, "demo": demo, "ls": detached.LIST,
+_COMMANDS = {"launch": launch, "test": selftest, "env": env, "demo": demo_command, "ls": detached.LIST,
              "attach": detached.ATTACH, "stop": detached.STOP}
 
 

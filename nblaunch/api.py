@@ -1,21 +1,25 @@
-"""``notebook_launcher`` and ``debug_launcher``: the public way to start a launch.
+"""The public way to start a launch (``notebook_launcher``, ``debug_launcher``) and to find
+detached ones again (``launches``, ``attach``, ``find``).
 
 The top of the house: it may use every other part (the launch, its homes, warm ranks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import time
 from typing import Any, Callable
 
-from nblaunch.detached.handle import DetachedLaunch, start_detached
+from nblaunch.detached import store
+from nblaunch.detached.detached_launch import DetachedLaunch
 from nblaunch.events import Display
-from nblaunch.homes import choose_home
+from nblaunch.homes import all_kept, open_home
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.planning.plan import LaunchRequest
-from nblaunch.warm.detached import DetachedWarmRanks
+from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
 
 
@@ -83,7 +87,7 @@ def notebook_launcher(
             ``cpu=True``): as many ranks as you like on a one-GPU machine, to try or debug
             distributed code.
         detach: True runs the launch under a supervisor of its own, outside this kernel, and
-            returns a :class:`~nblaunch.detached.handle.DetachedLaunch` at once, its dashboard
+            returns a :class:`~nblaunch.detached.detached_launch.DetachedLaunch` at once, its dashboard
             live in this cell: a kernel restart, or a closed notebook, does not stop it.
             ``nblaunch.launches()`` lists such launches and ``nblaunch.attach()`` shows one
             again (from any kernel of yours), with ``result()`` and ``cancel()``. With
@@ -117,8 +121,6 @@ def notebook_launcher(
     __tracebackhide__ = True  # IPython leaves this frame out of the tracebacks it shows
     if not isinstance(block, bool):
         raise LaunchConfigError(f"block must be True or False, got {block!r}")
-    if not isinstance(cpu, bool):
-        raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
     if not isinstance(detach, bool):
         raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
     if detach and ranks is not None:
@@ -127,15 +129,19 @@ def notebook_launcher(
     if ranks is not None:
         _refuse_launch_options_on_warm_ranks(locals())
         return _run_on_warm_ranks(ranks, function, args, num_processes, block, num_nodes, timeout, display)
-    request = LaunchRequest(function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
-                            num_nodes, start_method, timeout, display, force_cpu=cpu, max_restarts=max_restarts,
-                            monitor_interval=monitor_interval, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
-                            rdzv_conf=rdzv_conf, rdzv_id=rdzv_id, log_line_prefix_template=log_line_prefix_template)
-    plan, home = choose_home(request, cluster)
+    request = LaunchRequest.from_call(
+        function, args, num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
+        master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, start_method=start_method,
+        timeout=timeout, display=display, cpu=cpu, max_restarts=max_restarts, cluster=cluster,
+        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
+        monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template)
+    home = open_home(request)
     ipython_errors.install()
     if detach:  # checked here, then kept by a supervisor (or on Ray, an actor) of its own
-        return start_detached(request, plan, display, cluster)
-    launch = Launch(plan, function, args, timeout, display, home=home)
+        detached = DetachedLaunch(home.keep())
+        detached.watch(display)
+        return detached
+    launch = Launch(home)
     if not block:
         launch.start()
         return launch
@@ -190,5 +196,66 @@ def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes
         >>> debug_launcher(lambda: __import__("os").environ["RANK"], num_processes=2)  # doctest: +SKIP
         ['0', '1']
     """
-    plan, home = choose_home(LaunchRequest(function, args, num_processes, force_cpu=True), cluster=None)
-    return Launch(plan, function, args, None, "auto", home=home).run()
+    return Launch(open_home(LaunchRequest(function, args, num_processes, cpu=True))).run()
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """One detached launch, as :func:`launches` lists it."""
+
+    id: str
+    function: str
+    status: str
+    started: str
+    ranks: int
+    log_dir: str
+    kind: str = "launch"  # or "pool": detached warm ranks (WarmRanks.attach() runs on them)
+
+    def __repr__(self) -> str:
+        what = f"warm ranks, {self.ranks} processes" if self.kind == "pool" else f"{self.function} on {self.ranks} ranks"
+        return f"{self.id}  {self.status:<11} {self.started}  {what}  logs: {self.log_dir}"
+
+
+class _Listing(list):
+    def __repr__(self) -> str:
+        return "\n".join(map(repr, self)) if self else "no detached launches"
+
+
+def launches() -> list[LaunchInfo]:
+    """This user's detached launches (and detached warm ranks), oldest first. Finished ones are
+    kept a day after ``result()`` collected them, a week otherwise."""
+    store.prune()
+    listing = _Listing()
+    for place in all_kept(kinds=("launch", "pool")):
+        launch = DetachedLaunch(place)
+        state = launch.state()
+        listing.append(LaunchInfo(state["id"], state["function"], launch.status,
+                                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state["started"])),
+                                  state["num_processes"], state.get("log_dir", ""), state.get("kind", "launch")))
+    return listing
+
+
+def attach(launch_id: str | None = None, display: Any = "auto") -> DetachedLaunch:
+    """The detached launch ``launch_id`` (or the latest; a unique prefix will do), its dashboard
+    replayed in this cell and then live. Watching never changes the launch: stop watching with
+    ``detach()``, stop the launch with ``cancel()``."""
+    launch = find(launch_id)
+    launch.watch(display)
+    return launch
+
+
+def find(launch_id: str | None, kinds: tuple[str, ...] = ("launch",)) -> DetachedLaunch:
+    """The detached launch (or, with "pool" in ``kinds``, warm ranks) ``launch_id`` (a unique
+    start of its id; None: the latest), not watched."""
+    every = all_kept(kinds)
+    places = every
+    if launch_id is not None:
+        places = [place for place in every if place.launch_id.startswith(launch_id)]
+        if len(places) != 1:
+            known = ", ".join(place.launch_id for place in every) or "none"
+            what = "no" if not places else "more than one"
+            raise LookupError(f"{what} detached launch of this user has an id starting with {launch_id!r} "
+                              f"(launches(): {known})")
+    elif not places:
+        raise LookupError("no detached launch to attach to: notebook_launcher(..., detach=True) starts one")
+    return DetachedLaunch(places[-1])

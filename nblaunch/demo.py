@@ -41,7 +41,7 @@ def train_digits(epochs: int = 5, batch_size: int = 32, lr: float = 2e-3, mixed_
     """The training function each rank runs; returns this rank's view of the results."""
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
-    from nblaunch import Accelerator, set_seed  # deferred: the training side loads in the ranks, as a user's would
+    from nblaunch.training import Accelerator, set_seed  # deferred: the training side loads in the ranks, as a user's would
 
     set_seed(0)
     accelerator = Accelerator(mixed_precision=mixed_precision)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import signal
 
-LAUNCH_ID_VARIABLE = "NBLAUNCH_LAUNCH_ID"
+from nblaunch.contract.variables import LAUNCH_ID
+
 _ROUNDS = 20  # a tree that forks while it is being killed: look again, a bounded number of times
 
 
@@ -100,7 +101,7 @@ def kill_marked(launch_id: str, pipe_ends: set[tuple[str, str]], since_ticks: in
     fork of the launcher's process (the user's DataLoader worker) may hold the launcher's ends of
     the same pipes, never these.
     """
-    marker = f"{LAUNCH_ID_VARIABLE}={launch_id}".encode()
+    marker = f"{LAUNCH_ID}={launch_id}".encode()
     pipes = dict(pipe_ends)
     me = os.getpid()
     found = []

@@ -11,7 +11,7 @@ Port by replacing ``accelerate.tracking`` with ``nblaunch.tracking``::
 from __future__ import annotations
 
 from nblaunch.training.tracking.backends import MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
-from nblaunch.training.tracking.base import GeneralTracker, LoggerType
+from nblaunch.training.tracking.general_tracker import GeneralTracker, LoggerType
 from nblaunch.training.tracking.choose import available_trackers
 
 __all__ = ["GeneralTracker", "LoggerType", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker",

@@ -19,6 +19,7 @@ from nblaunch.training.runtime.operations import *  # noqa: F401,F403
 from nblaunch.training.runtime.python_values import *  # noqa: F401,F403
 
 from nblaunch.cli.accelerate_config import write_basic_config
+from nblaunch.contract.precision import PrecisionType
 from nblaunch.training.checkpoint.layout import (MODEL_NAME, OPTIMIZER_NAME, PROFILE_PATTERN_NAME, RNG_STATE_NAME,
                                                  SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
                                                  SAFE_WEIGHTS_PATTERN_NAME, SAMPLER_NAME, SCALER_NAME, SCHEDULER_NAME,
@@ -29,8 +30,8 @@ from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                               DistributedDataParallelKwargs, GradientAccumulationPlugin,
-                                              GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, PrecisionType,
-                                              ProfileKwargs, RNGType)
+                                              GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs,
+                                              RNGType)
 from nblaunch.training.options.project import ProjectConfiguration
 from nblaunch.training.runtime.collectives import (CannotPadNestedTensorWarning, DistributedOperationException,
                                                    broadcast, broadcast_object_list, copy_tensor_to_devices, gather,
@@ -41,7 +42,7 @@ from nblaunch.training.runtime.main_process import tqdm, wait_for_everyone
 from nblaunch.training.runtime.memory import find_executable_batch_size, release_memory
 from nblaunch.training.runtime.seed import set_seed
 from nblaunch.training.runtime.tree import concatenate, recursively_apply, send_to_device
-from nblaunch.training.tracking.base import LoggerType
+from nblaunch.training.tracking.general_tracker import LoggerType
 
 __all__ = [
     "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType",

@@ -15,7 +15,7 @@ HEADER = struct.Struct("<cQ")
 
 # Worker -> launcher
 RESULT = b"R"  # pickled return value of the function
-ERROR = b"E"  # pickled RemoteFailure (see nblaunch.worker.bootstrap)
+ERROR = b"E"  # a pickled RankFailure (nblaunch.contract.failure), twice: at once, then with the traceback
 METRICS = b"M"  # pickled (values, step)
 PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed, auto)
 STACKS = b"S"  # utf-8 text: every thread's stack
@@ -31,7 +31,7 @@ SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the ne
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
-# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.starting.payload.
+# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.starting.packing.
 SHARED_STORAGE = "nblaunch.shared-storage"
 
 

@@ -1,10 +1,13 @@
 """The house's rules, read from the imports (docs/architecture.md draws them): no import
-circles, no import from a lower layer to a higher one, no underscore names of ``Launch`` used
-outside ``launch/``, no file over 400 lines, no folder of more than 16 modules."""
+circles, no import from a lower layer to a higher one (a package's own ``__init__`` included: a
+module below never imports the package face), no underscore names of ``Launch`` used outside
+``launch/``, no file over 400 lines, no folder of more than 16 modules, no two modules of the
+same name in different rooms."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
-    ["nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree", "nblaunch.preimport"],
+    ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
+     "nblaunch.preimport"],
     ["nblaunch.worker", "nblaunch.display"],
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],
@@ -25,10 +29,10 @@ LAYERS = [
     ["nblaunch.training.tracking"],
     ["nblaunch.training.accelerator"],
     ["nblaunch.training"],  # its __init__: the public names
+    ["nblaunch.detached"],  # where a launch is kept outside the kernel; knows nothing of launches
     ["nblaunch.launch"],
     ["nblaunch.cluster"],
     ["nblaunch.homes"],
-    ["nblaunch.detached"],
     ["nblaunch.warm"],
     ["nblaunch.api", "nblaunch.demo"],
     ["nblaunch.cli", "nblaunch.__main__", "nblaunch.utils", "nblaunch.logging", "nblaunch.tracking",
@@ -83,7 +87,8 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
             for name in names:
                 while name and name not in MODULES:
                     name = name.rpartition(".")[0]
-                if name and name != module and not module.startswith(name + "."):
+                # A parent package counts too: importing it runs its __init__ (the package face).
+                if name and name != module:
                     found.append((name, child.lineno, in_function))
 
     visit(tree, False)
@@ -157,3 +162,25 @@ def test_no_folder_holds_more_than_16_modules():
     crowded = {str(folder.relative_to(PACKAGE.parent)): n for folder in [PACKAGE, *PACKAGE.rglob("*/")]
                if folder.is_dir() and (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 16}
     assert not crowded, crowded
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says which room it is in: ``kept_launch`` and ``ray_keeper``, not two ``kept``."""
+    by_name: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(module)
+    shared = {name: modules for name, modules in by_name.items() if len(modules) > 1}
+    assert not shared, shared
+
+
+def test_every_module_is_named_in_the_architecture():
+    """docs/architecture.md is how a newcomer finds their way: every module appears there, in
+    code (a backtick span or a drawing), so a new or renamed module is drawn when it lands."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    code = re.findall(r"`([^`\n]+)`", doc) + re.findall(r"```.*?```", doc, re.S)
+    code += [line for line in doc.splitlines() if line.startswith("    ")]  # indented drawings
+    named = {word for span in code for word in re.findall(r"\w+", span)}
+    missing = sorted(str(path.relative_to(PACKAGE.parent)) for path in MODULES.values()
+                     if path.stem not in ("__init__", "__main__") and path.stem not in named)
+    assert not missing, missing

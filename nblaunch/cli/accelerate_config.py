@@ -31,35 +31,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from nblaunch.contract.precision import parse_precision
+from nblaunch.contract.variables import ACCELERATE_USE_FSDP, FSDP_VARIABLES
 from nblaunch.launch.planning.devices import cuda_device_count
 
-__all__ = ["AccelerateConfig", "ConfigError", "FSDP_KEYS", "apply_config", "config_to_read", "default_config_path",
+__all__ = ["AccelerateConfig", "ConfigError", "apply_config", "config_to_read", "default_config_path",
            "read_config", "visible_devices", "write_basic_config"]
 
 
 class ConfigError(ValueError):
     """A config file (or a flag) ``nblaunch launch`` cannot honour; the message says what to do."""
 
-
-# Accelerate's FSDP flags (and fsdp_config keys), each with the variable its launcher sets.
-FSDP_KEYS = {
-    "fsdp_version": "FSDP_VERSION",
-    "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
-    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
-    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
-    "fsdp_min_num_params": "FSDP_MIN_NUM_PARAMS",
-    "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
-    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
-    "fsdp_backward_prefetch": "FSDP_BACKWARD_PREFETCH",
-    "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
-    "fsdp_forward_prefetch": "FSDP_FORWARD_PREFETCH",
-    "fsdp_use_orig_params": "FSDP_USE_ORIG_PARAMS",
-    "fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
-    "fsdp_sync_module_states": "FSDP_SYNC_MODULE_STATES",
-    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-    "fsdp_ignored_modules": "FSDP_IGNORED_MODULES",
-}
 
 # Keys the file maps straight onto launch's options (its argparse destinations).
 _OPTIONS = {"num_machines": "num_nodes", "machine_rank": "node_rank", "main_process_ip": "master_addr",
@@ -111,8 +93,7 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | None = 
 
         write_basic_config(mixed_precision="bf16")   # ~/.cache/huggingface/accelerate/default_config.yaml
     """
-    if mixed_precision not in ("no", "fp16", "bf16", "fp8"):
-        raise ValueError(f"mixed_precision must be 'no', 'fp16', 'bf16' or 'fp8', got {mixed_precision!r}")
+    mixed_precision = parse_precision(mixed_precision)  # ValueError for a word nblaunch does not know
     if use_xpu:
         raise ValueError("write_basic_config(use_xpu=True): nblaunch does not drive XPUs")
     path = os.path.expanduser(save_location) if save_location is not None else default_config_path()
@@ -162,9 +143,10 @@ def read_config(path: str) -> AccelerateConfig:
         config.options["master_addr"] = str(config.options["master_addr"])
     precision = raw.get("mixed_precision") or ("fp16" if raw.get("fp16") else None)  # fp16: old files
     if precision is not None:
-        if str(precision).lower() not in ("no", "fp16", "bf16", "fp8"):
-            raise ConfigError(f"{path}: mixed_precision: {precision}: give no, fp16, bf16 or fp8")
-        config.options["mixed_precision"] = str(precision).lower()
+        try:
+            config.options["mixed_precision"] = parse_precision(str(precision))
+        except ValueError as error:
+            raise ConfigError(f"{path}: {error}") from None
     if raw.get("use_cpu"):
         config.options["cpu"] = True
     if raw.get("num_processes") is not None:
@@ -177,7 +159,7 @@ def read_config(path: str) -> AccelerateConfig:
         raise ConfigError(f"{path}: fsdp_config: expected fsdp_...: value lines under it, found {fsdp!r}")
     for key, value in fsdp.items():
         name = key if key.startswith("fsdp") else f"fsdp_{key}"  # Accelerate adds the prefix too
-        if name in FSDP_KEYS:
+        if name in FSDP_VARIABLES:
             config.fsdp[name] = value
         else:
             config.unknown.append(f"fsdp_config.{key}")
@@ -190,7 +172,7 @@ def apply_config(options: argparse.Namespace, config: AccelerateConfig | None) -
 
     Example: ``--mixed_precision no`` and a file saying ``bf16`` leave ``options.mixed_precision == "no"``.
     """
-    fsdp_flags = [key for key in FSDP_KEYS if getattr(options, key) is not None]
+    fsdp_flags = [key for key in FSDP_VARIABLES if getattr(options, key) is not None]
     if config is not None:
         _fill(options, config)
     for name, default in (("mixed_precision", "no"), ("num_nodes", 1), ("node_rank", 0), ("master_addr", "127.0.0.1")):
@@ -201,8 +183,8 @@ def apply_config(options: argparse.Namespace, config: AccelerateConfig | None) -
             raise ConfigError(f"--{fsdp_flags[0]} only applies to FSDP: add --use_fsdp (or distributed_type: FSDP "
                               "in the config file)")
         return {}
-    environ = {"ACCELERATE_USE_FSDP": "true"}
-    for key, variable in FSDP_KEYS.items():
+    environ = {ACCELERATE_USE_FSDP: "true"}
+    for key, variable in FSDP_VARIABLES.items():
         value = getattr(options, key)
         if value is not None:
             environ[variable] = _as_text(value)
@@ -222,8 +204,8 @@ def visible_devices(gpu_ids: Any, cpu: bool, cluster: str | None, current: str |
     if not all(re.fullmatch(r"\d+|(GPU|MIG)-[\w./-]+", part) for part in ids.split(",")):
         raise ConfigError(f"gpu_ids: {gpu_ids!r}: give GPU numbers separated by commas (0,1) or all")
     if cluster is not None:
-        raise ConfigError("gpu_ids cannot choose the GPUs of Ray's nodes: leave it out (or all) and set "
-                          "CUDA_VISIBLE_DEVICES in the environment of each node's Ray workers")
+        raise ConfigError(f"gpu_ids cannot choose the GPUs of the nodes of cluster {cluster!r}: leave it out (or all) "
+                          "and set CUDA_VISIBLE_DEVICES in the environment of each node's workers")
     if current is not None and current != ids:
         raise ConfigError(f"gpu_ids: {ids} and CUDA_VISIBLE_DEVICES={current} disagree: unset CUDA_VISIBLE_DEVICES, "
                           "or leave gpu_ids out (or all)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from nblaunch.contract.precision import parse_precision
+
 
 def _whole_number(text: str, minimum: int) -> int:
     try:
@@ -44,3 +46,11 @@ def seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def precision(text: str) -> str:
+    """``--mixed-precision``: the words ``notebook_launcher`` and the Accelerator take."""
+    try:
+        return parse_precision(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("mixed_precision ", "", 1)) from None

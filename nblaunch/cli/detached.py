@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nblaunch.cli.outcome import FAILED, INTERRUPTED, outcome_in_terminal
-from nblaunch.detached.handle import LaunchLostError, attach, find, launches
+from nblaunch.api import attach, find, launches
+from nblaunch.detached.detached_launch import LaunchLostError
 
 __all__ = ["LIST", "ATTACH", "STOP"]
 

@@ -9,8 +9,8 @@ import os
 import platform
 import sys
 
-from nblaunch import __version__
-from nblaunch.launch.planning import devices, xla
+from nblaunch.contract.version import __version__
+from nblaunch.launch.planning import devices, tpu
 from nblaunch.launch.planning.plan import start_method_for
 
 
@@ -44,11 +44,11 @@ def report() -> list[tuple[str, str]]:
     else:
         rows.append(("GPUs", "none visible"))
     rows.append(("torch_xla", _version("torch_xla")))
-    if xla.tpu_markers():
+    if tpu.tpu_markers():
         rows.append(("TPU", "this host has TPU markers: launches use torch_xla"))
     for package in ("accelerate", "transformers", "ipywidgets", "ipykernel", "ipython", "cloudpickle", "ray"):
         rows.append((package, _version(package)))
-    method, why = start_method_for(None, force_cpu=False)
+    method, why = start_method_for(None, cpu=False)
     rows.append(("start method", f"{method}: {why}"))
     return rows
 

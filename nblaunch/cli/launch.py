@@ -14,11 +14,14 @@ import importlib.util
 import os
 import sys
 
-from nblaunch.cli.accelerate_config import (FSDP_KEYS, ConfigError, apply_config, config_to_read, read_config,
+from nblaunch.cli.accelerate_config import (ConfigError, apply_config, config_to_read, read_config,
                                             visible_devices)
-from nblaunch.cli.args import at_least_one, at_least_zero, processes, seconds
+from nblaunch.cli.args import at_least_one, at_least_zero, precision, processes, seconds
 from nblaunch.cli.outcome import USAGE, launch_in_terminal
 from nblaunch.cli.script import Script
+from nblaunch.contract.precision import PRECISIONS
+from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES, FSDP_VARIABLES
+from nblaunch.homes import HOMES
 
 _DESCRIPTION = """\
 Run a training script on several processes: each one runs it as __main__ with the same
@@ -98,8 +101,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--num-processes", "--num_processes", "--nproc-per-node", "--nproc_per_node", type=processes,
         default=None, metavar="N", help="processes on this machine (default, or gpu/auto: one per GPU, or 2 on the CPU where there is none)")
     # Defaults None: a flag not given leaves the config file's value (apply_config fills the rest).
-    add("--mixed-precision", "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-        help="handed to every rank's Accelerator (default: no)")
+    add("--mixed-precision", "--mixed_precision", type=precision, default=None, metavar="P",
+        help=f"{', '.join(PRECISIONS)}: handed to every rank's Accelerator (default: no)")
     add("--num-nodes", "--num_machines", "--nnodes", type=at_least_one, default=None, metavar="K",
         help="machines taking part (default: 1)")
     add("--node-rank", "--machine_rank", "--node_rank", type=at_least_zero, default=None, metavar="R",
@@ -108,8 +111,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="address of node 0 (default: 127.0.0.1)")
     add("--port", "--main_process_port", "--master_port", "--master-port", type=int, default=None, metavar="P",
         help="port of the rendezvous on node 0 (default: a free one; give it with --num-nodes > 1)")
-    add("--cluster", choices=["ray"], default=None,
-        help="start the ranks on the Ray cluster this machine is connected to (needs nblaunch[ray])")
+    add("--cluster", choices=[name for name in HOMES if name is not None], default=None,
+        help="start the ranks on the nodes of a cluster: ray, the Ray cluster this machine is connected to "
+             "(needs nblaunch[ray])")
     add("--timeout", type=seconds, default=None, metavar="S",
         help="stop every rank, showing where each was, after S seconds")
     add("--max-restarts", "--max_restarts", type=at_least_zero, default=0, metavar="M",
@@ -131,7 +135,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fsdp = launch.add_argument_group("FSDP (accelerate launch's flags; FSDP2 underneath)")
     fsdp.add_argument("--use_fsdp", "--use-fsdp", action="store_true",
                       help="shard models with FSDP: every rank's Accelerator() gets the settings below")
-    for key in FSDP_KEYS:  # all of accelerate launch's; the ones --help leaves out do nothing here, or are refused
+    for key in FSDP_VARIABLES:  # all of accelerate launch's; the ones --help leaves out do nothing here, or are refused
         fsdp.add_argument(f"--{key}", default=None, metavar=_FSDP_HELP.get(key, ("V",))[0],
                           help=_FSDP_HELP[key][1] if key in _FSDP_HELP else argparse.SUPPRESS)
     for flag in _REFUSED:
@@ -172,7 +176,7 @@ def run(options: argparse.Namespace) -> int:
         config = read_config(path) if path else None
         rank_environ = apply_config(options, config)
         devices = visible_devices(options.gpu_ids, options.cpu, options.cluster,
-                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+                                  os.environ.get(CUDA_VISIBLE_DEVICES))
     except ConfigError as error:
         print(f"nblaunch launch: {error}", file=sys.stderr)
         return USAGE
@@ -182,7 +186,7 @@ def run(options: argparse.Namespace) -> int:
             print(f"nblaunch launch: warning: {path} has keys nblaunch does not know, ignored: "
                   f"{', '.join(config.unknown)}", file=sys.stderr, flush=True)
     if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the launch counts the GPUs; the ranks inherit it
+        os.environ[CUDA_VISIBLE_DEVICES] = devices  # before the launch counts the GPUs; the ranks inherit it
     _, status = launch_in_terminal(
         "launch", Script(options.script, options.script_args, options.module, rank_environ), (),
         num_processes=options.num_processes, mixed_precision=options.mixed_precision,

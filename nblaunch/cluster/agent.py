@@ -11,20 +11,19 @@ Ray kills a job's actors when the driver (the notebook's kernel) goes away.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import pickle
 import sys
 import threading
-from typing import Any
 
 import cloudpickle
 
-import nblaunch
+from nblaunch.contract.version import __version__
 from nblaunch.events import Event, LaunchFinished, LaunchStarted
-from nblaunch.launch.errors import LaunchTimeoutError, RankFailedError, RankFailure
+from nblaunch.launch.errors import LaunchTimeoutError, RankFailedError
 from nblaunch.launch.handle import Launch
+from nblaunch.launch.local_home import LocalHome
 from nblaunch.launch.planning import ports
-from nblaunch.launch.planning.plan import LaunchRequest, make_plan
 
 _MAX_BATCH = 2000  # events per answer: a chatty node's backlog goes in several round trips
 
@@ -48,6 +47,15 @@ class _EventQueue:
         pass
 
 
+@dataclasses.dataclass(frozen=True)
+class NodePlace:
+    """A node's part of a Ray launch: its number, and where the ranks of every node meet."""
+
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
 class NodeAgent:
     """Runs one node's ranks for the driver. Used as a Ray actor (see ``ray_home``).
 
@@ -55,7 +63,7 @@ class NodeAgent:
 
         agent = ray.remote(NodeAgent).options(...).remote()
         address, port, version = ray.get(agent.where.remote())
-        ray.get(agent.start.remote(packed_call, options, driver_path))
+        ray.get(agent.start.remote(packed_request, NodePlace(0, address, port), driver_path))
         events, outcome = ray.get(agent.next_events.remote(0.2))
     """
 
@@ -72,18 +80,19 @@ class NodeAgent:
         import ray
 
         address = ray.util.get_node_ip_address()
-        return address, ports.choose_port(address, None, hosted_here=True), nblaunch.__version__
+        return address, ports.choose_port(address, None, hosted_here=True), __version__
 
-    def start(self, packed_call: bytes, options: dict[str, Any], driver_path: list[str]) -> None:
-        """Start this node's launch: ``packed_call`` is the cloudpickled ``(function, args)``;
-        ``options`` the node's ``LaunchRequest`` fields. Returns once the ranks are starting."""
+    def start(self, packed_request: bytes, place: NodePlace, driver_path: list[str]) -> None:
+        """Start this node's launch: ``packed_request`` is the cloudpickled request every node
+        shares (the function and its arguments with it), ``place`` this node's part. Returns once
+        the ranks are starting."""
         # Functions from the notebook's own modules travel by reference: where the driver's
         # folders exist here too (one machine, a shared file system), they import as there.
         sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
         self._imported.join()
-        function, args = cloudpickle.loads(packed_call)
-        plan = make_plan(LaunchRequest(function, args, display=self._queue, **options))
-        self._launch = Launch(plan, function, args, None, self._queue)
+        request = dataclasses.replace(cloudpickle.loads(packed_request), node_rank=place.node_rank,
+                                      master_addr=place.master_addr, use_port=place.master_port, display=self._queue)
+        self._launch = Launch(LocalHome(request))
         self._launch.start()
         threading.Thread(target=self._wait_for_end, name="nblaunch-agent-outcome", daemon=True).start()
 
@@ -114,7 +123,9 @@ class NodeAgent:
         try:
             outcome = ("done", cloudpickle.dumps(self._launch.result()))
         except RankFailedError as error:
-            outcome = ("failed", [_portable(f) for f in error.failures])
+            # Each record carries its exception as bytes of its own (contract.failure): one the
+            # driver cannot load arrives as a stand-in, the rest of the record whole.
+            outcome = ("failed", error.failures)
         except LaunchTimeoutError:
             outcome = ("timed out", None)
         except BaseException as error:  # cancelled, interrupted, or the launch itself broke
@@ -129,15 +140,3 @@ def _import_torch() -> None:
         import torch.distributed  # noqa: F401
     except ImportError:
         pass  # the function may not need it; if it does, its rank says so
-
-
-def _portable(failure: RankFailure) -> tuple[RankFailure, bytes | None]:
-    """A failure the driver can unpickle: its exception travels as bytes of its own (the
-    driver rebuilds a stand-in if they do not load there)."""
-    try:
-        exception = cloudpickle.dumps(failure.exception)
-    except Exception:
-        exception = None
-    plain = RankFailure(**{**failure.__dict__, "exception": None})
-    pickle.dumps(plain)  # everything else is text and numbers
-    return plain, exception

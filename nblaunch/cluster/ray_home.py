@@ -1,116 +1,105 @@
-"""``notebook_launcher(..., cluster="ray")``: the ranks live on the nodes of a Ray cluster.
+"""``notebook_launcher(..., cluster="ray")``: the ranks live on the nodes of a Ray cluster (a
+home: ``launch/ranks_home.RanksHome``).
 
 Ray only places things: a placement group holds one bundle per node (every node or none), one
 :class:`~nblaunch.cluster.agent.NodeAgent` actor sits in each bundle and runs nblaunch's own
 launch of that node's ranks, and node 0's agent names the rendezvous (its address and a port
 free there). Everything else (forking, lifelines, stacks, teardown, logs) is the local launch's,
 on each node; :class:`~nblaunch.cluster.watcher.RayWatcher` merges the nodes' events into the
-cell. After every attempt the agents are killed and the placement group removed.
+cell. After every attempt the agents are killed and the placement group removed. A detached
+launch is kept by an actor of the cluster (``ray_keeper``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import cloudpickle
 
-import nblaunch
-from nblaunch.cluster import placement
-from nblaunch.cluster.agent import NodeAgent
-from nblaunch.cluster.placement import NodeRequest
+from nblaunch.cluster import ray_placement
+from nblaunch.cluster.agent import NodeAgent, NodePlace
+from nblaunch.cluster.ray_keeper import kept_on_ray, start_on_ray
+from nblaunch.cluster.ray_placement import NodeRequest
 from nblaunch.cluster.watcher import RayWatcher
+from nblaunch.contract.version import __version__
+from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
-from nblaunch.launch.planning.checks import check_basics, check_elastic_arguments, check_fp8, port_number, positive_int
-from nblaunch.launch.planning.plan import CPU_RANKS_BY_DEFAULT, LaunchPlan, LaunchRequest, plural
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.planning.plan import LaunchPlan, check_fp8, plural, ranks_per_node
+from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
+from nblaunch.launch.starting.packing import Payload
 
 _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
-
-
-def plan_ray_launch(request: LaunchRequest) -> tuple[LaunchPlan, "RayHome"]:
-    """Check a Ray launch's arguments, then the cluster; nothing is placed yet."""
-    r = request
-    function, args, num_processes, start_method = r.function, r.args, r.num_processes, r.start_method
-    mixed_precision = check_basics(function, args, r.mixed_precision, r.timeout, r.display)
-    check_elastic_arguments(r)
-    num_nodes = positive_int("num_nodes", r.num_nodes)
-    if r.node_rank != 0 or r.master_addr != "127.0.0.1" or r.rdzv_endpoint not in ("", None):
-        raise LaunchConfigError(
-            "with cluster='ray', Ray places every node and node 0 hosts the rendezvous: leave node_rank, "
-            "master_addr and rdzv_endpoint out (they are for running the same call on every machine yourself)"
-        )
-    if start_method not in (None, "fork", "spawn"):
-        raise LaunchConfigError(f"with cluster='ray', start_method must be None, 'fork' or 'spawn'; got {start_method!r}")
-    if r.max_restarts != 0:
-        raise LaunchConfigError("max_restarts is not supported with cluster='ray' yet: pass max_restarts=0, or "
-                                "resume from a checkpoint with a new launch")
-    port = port_number(r.use_port)  # checked for use on node 0, by its agent
-    # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
-    pickling.check_picklable(function, args)
-    ray, cluster = placement.connect()
-    gpus = 0 if r.force_cpu else placement.gpus_per_node(ray, num_nodes)
-    if num_processes is None:
-        num_processes = gpus or CPU_RANKS_BY_DEFAULT
-    num_processes = positive_int("num_processes", num_processes)
-    check_fp8(mixed_precision, "cuda" if gpus else "cpu")
-    request = NodeRequest(num_nodes=num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
-    placement.check_fits(ray, request)
-    plan = LaunchPlan(
-        function_name=r.function_name,
-        num_processes=num_processes, num_nodes=num_nodes, node_rank=0, master_addr="node 0",
-        master_port=port or 0, start_method="ray",
-        start_reason=f"{plural(num_nodes, 'node')} of {cluster}, placed together by a Ray placement group; each "
-                     "node's agent starts its ranks as a launch on one machine does",
-        device_kind="cuda" if gpus else "cpu", threads=None, mixed_precision=mixed_precision, force_cpu=False,
-        port_pinned=port is not None,
-    )
-    # A CPU launch stays on the CPU on every node, GPUs or not: Ray reserved none for it.
-    node_options = dict(num_processes=num_processes, mixed_precision=mixed_precision, num_nodes=num_nodes,
-                        start_method=start_method, force_cpu=not gpus)
-    return plan, RayHome(ray, request, node_options)
 
 
 class RayHome:
     """The ranks of a launch, one agent per Ray node (see the module's docstring)."""
 
-    def __init__(self, ray: Any, request: NodeRequest, node_options: dict[str, Any]):
-        self._ray = ray
-        self._request = request
-        self._node_options = node_options
+    starts_every_node: ClassVar[bool] = True
+    keeps_warm_ranks: ClassVar[bool] = False  # a detached actor keeps launches; warm ranks not yet
 
-    def prepare(self, plan: LaunchPlan, launch_id: str) -> None:
+    def __init__(self, request: LaunchRequest) -> None:
+        """Check a Ray launch's request, then the cluster; nothing is placed yet."""
+        r = request
+        if r.node_rank != 0 or r.master_addr != DEFAULT_MASTER_ADDR:
+            raise LaunchConfigError(
+                "with cluster='ray', Ray places every node and node 0 hosts the rendezvous: leave node_rank, "
+                "master_addr and rdzv_endpoint out (they are for running the same call on every machine yourself)")
+        if r.start_method not in (None, "fork", "spawn"):
+            raise LaunchConfigError(f"with cluster='ray', start_method must be None, 'fork' or 'spawn'; got "
+                                    f"{r.start_method!r}")
+        if r.max_restarts != 0:
+            raise LaunchConfigError("max_restarts is not supported with cluster='ray' yet: pass max_restarts=0, or "
+                                    "resume from a checkpoint with a new launch")
+        # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
+        pickling.check_picklable(r.function, r.args)
+        self._ray, cluster = ray_placement.connect()
+        gpus = 0 if r.cpu else ray_placement.gpus_per_node(self._ray, r.num_nodes)
+        num_processes = ranks_per_node(r, gpus)
+        check_fp8(r.mixed_precision, "cuda" if gpus else "cpu")
+        self._nodes = NodeRequest(num_nodes=r.num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
+        ray_placement.check_fits(self._ray, self._nodes)
+        kind = plural(num_processes, "CUDA GPU") if gpus else "CPU"
+        self.plan = LaunchPlan(
+            request=r, num_processes=num_processes, num_nodes=r.num_nodes, node_rank=0, master_addr="node 0",
+            master_port=r.use_port or 0, start_method="ray",
+            start_reason=f"{plural(r.num_nodes, 'node')} of {cluster}, placed together by a Ray placement group; "
+                         "each node's agent starts its ranks as a launch on one machine does",
+            device_kind="cuda" if gpus else "cpu",
+            devices=f"{kind}, {plural(num_processes, 'rank')} on each of {plural(r.num_nodes, 'Ray node')}",
+            shown_ranks=num_processes * r.num_nodes, meeting_point="node 0, once Ray has placed the ranks",
+            port_pinned=r.use_port is not None,
+        )
+        # What each node's agent launches there: its share, the driver keeping the clock. A CPU
+        # launch stays on the CPU on every node, GPUs or not: Ray reserved none for it.
+        self._node_request = dataclasses.replace(r, cluster=None, num_processes=num_processes, cpu=not gpus,
+                                                 timeout=None, display="none")
+
+    def prepare(self, launch_id: str) -> None:
         pass  # each node's own launch prepares there
 
     def package(self, value: Any) -> Payload:
         return Payload(cloudpickle.dumps(value, protocol=5))  # Ray carries it; memfds stay on one machine
 
-    def rank_count(self, plan: LaunchPlan) -> int:
-        return plan.world_size
-
-    def describe(self, plan: LaunchPlan) -> dict[str, Any]:
-        return dict(num_processes=plan.world_size, meeting_point="node 0, once Ray has placed the ranks",
-                    devices=f"{plan.devices}, {plural(plan.num_processes, 'rank')} "
-                            f"on each of {plural(plan.num_nodes, 'Ray node')}")
-
     @contextlib.contextmanager
-    def attempt(self, plan: LaunchPlan, function: Callable, args: tuple, emit: Callable[[Event], None],
-                timeout: float | None, log_dir: str) -> Iterator[RayWatcher]:
+    def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
+                log_dir: str) -> Iterator[RayWatcher]:
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         started = time.monotonic()  # the launch's timeout covers placing and starting too
 
         name = f"nblaunch-{uuid.uuid4().hex[:8]}"
-        group = placement.reserve(ray, self._request, name)
+        group = ray_placement.reserve(ray, self._nodes, name)
         agents: list[Any] = []
         try:
-            bundle = self._request.bundle
+            bundle = self._nodes.bundle
             agent_class = ray.remote(NodeAgent)
             for index in range(plan.num_nodes):
                 agents.append(agent_class.options(
@@ -122,30 +111,37 @@ class RayHome:
             address, free_port, _ = where[0]
             port = plan.master_port if plan.port_pinned else free_port
             emit(RanksPlaced(tuple(w[0] for w in where), plan.num_processes, address, port))
-            call = ray.put(cloudpickle.dumps((function, args)))
-            starts = [
-                agent.start.remote(call, dict(self._node_options, node_rank=index, master_addr=address,
-                                              use_port=port), list(sys.path))
-                for index, agent in enumerate(agents)
-            ]
+            node_request = ray.put(cloudpickle.dumps(self._node_request))  # the function and its arguments, once
+            starts = [agent.start.remote(node_request, NodePlace(index, address, port), list(sys.path))
+                      for index, agent in enumerate(agents)]
             self._get(starts, "could not start its ranks")
-            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+            left = None if time_left is None else max(0.0, time_left - (time.monotonic() - started))
             yield RayWatcher(agents, plan.num_processes, emit, left)
         finally:
-            placement.release(ray, agents, group)
+            ray_placement.release(ray, agents, group)
+
+    def keep(self) -> KeptLaunch:
+        return start_on_ray(type(self), self.plan.request, self.plan.world_size)
+
+    @staticmethod
+    def kept(kinds: tuple[str, ...]) -> list[KeptLaunch]:
+        ray = sys.modules.get("ray")  # Ray is never loaded or joined to look
+        if "launch" not in kinds or ray is None or not ray.is_initialized():
+            return []
+        return kept_on_ray()
 
     def _where(self, agents: list[Any], group: Any) -> list[tuple[str, int, str]]:
         """Each agent's address, free port and version, once Ray has placed and started them all."""
         asked = [agent.where.remote() for agent in agents]
-        ready, _ = self._ray.wait(asked, num_returns=len(asked), timeout=placement.WAIT_FOR_PLACEMENT_S)
+        ready, _ = self._ray.wait(asked, num_returns=len(asked), timeout=ray_placement.WAIT_FOR_PLACEMENT_S)
         if len(ready) < len(asked):
-            if not placement.is_placed(self._ray, group):
-                raise placement.unplaced_error(self._ray, self._request, placement.WAIT_FOR_PLACEMENT_S)
+            if not ray_placement.is_placed(self._ray, group):
+                raise ray_placement.unplaced_error(self._ray, self._request, ray_placement.WAIT_FOR_PLACEMENT_S)
         where = self._get(asked, "did not start")
         for index, (address, _, version) in enumerate(where):
-            if version != nblaunch.__version__:
+            if version != __version__:
                 raise LaunchConfigError(f"node {index} ({address}) has nblaunch {version}, this notebook "
-                                        f"{nblaunch.__version__}: install the same version on every node")
+                                        f"{__version__}: install the same version on every node")
         return where
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:

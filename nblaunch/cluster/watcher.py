@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from nblaunch.contract.failure import Phase, RankFailure
 from nblaunch.events import Event, RankFinished, RankState, Stacks
-from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
-                                    RankFailure, RemoteError, RemoteTraceback, root_cause_first)
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.errors import LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError
+from nblaunch.launch.starting.packing import Payload
 
 _POLL_S = 0.2  # how long an agent holds a long-poll open when nothing happens
 _CHECK_S = 0.05  # how often the loop looks at cancel requests and the deadline
@@ -49,6 +49,7 @@ class RayWatcher:
         self._timeout = timeout
         self._stacks: dict[int, str] = {}
         self._shown_failed: list[int] = []
+        self._done: list[int] = []  # ranks shown finishing with a result
         self._cancel_requested = False
         self._cancel_as: BaseException | None = None
         self._stacks_requested = False
@@ -166,6 +167,8 @@ class RayWatcher:
             node.finished.add(event.rank)
             if event.state is RankState.FAILED:
                 self._shown_failed.append(event.rank)
+            elif event.state is RankState.DONE:
+                self._done.append(event.rank)
         self._emit(event)
 
     def _lose(self, node: _Node, error: BaseException, what: str = "its node's nblaunch agent was lost") -> None:
@@ -173,7 +176,7 @@ class RayWatcher:
         failed with it. Its agent is killed when the launch's nodes are released."""
         reason = f"{what} ({_first_line(error)})"
         local = [r - node.first_rank for r in node.ranks if r not in node.finished]
-        node.outcome = ("lost", [(RankFailure(r, reason), None) for r in local])
+        node.outcome = ("lost", [RankFailure(r, reason, phase=Phase.ENDED) for r in local])
         for r in local:
             self._show(node, RankFinished(rank=r, state=RankState.FAILED, detail=reason))
 
@@ -191,31 +194,12 @@ class RayWatcher:
         failures = []
         for node in self._nodes:
             kind, detail = node.outcome
-            if kind in ("failed", "lost"):
-                failures += [_rebuilt(node, failure, exception) for failure, exception in detail]
+            if kind in ("failed", "lost"):  # numbered as on its node: renumbered into the world's
+                failures += [dataclasses.replace(failure, rank=node.first_rank + failure.rank) for failure in detail]
         return failures
 
     def _failure_error(self, failures: list[RankFailure]) -> RankFailedError:
-        return RankFailedError(root_cause_first(failures, self._shown_failed), dict(self._stacks))
-
-
-def _rebuilt(node: _Node, failure: RankFailure, exception: bytes | None) -> RankFailure:
-    """A node's failure (numbered as on its node) in the world's rank numbers, its exception
-    loaded here when it can be."""
-    failure = dataclasses.replace(failure, rank=node.first_rank + failure.rank)
-    loaded = None
-    if exception is not None:
-        try:
-            loaded = cloudpickle.loads(exception)
-        except Exception:
-            loaded = None
-    if loaded is None:
-        type_name, _, message = failure.reason.partition(": ")
-        loaded = RemoteError(type_name, message)
-    if failure.traceback:
-        loaded.__cause__ = RemoteTraceback(failure.traceback)
-    failure.exception = loaded
-    return failure
+        return RankFailedError.blaming(failures, dict(self._stacks), self._shown_failed, sorted(self._done))
 
 
 def _loaded_results(node: _Node) -> list[Any]:

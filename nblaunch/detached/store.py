@@ -4,7 +4,7 @@ can open (mode 0700, checked), so only that user can list, attach, cancel or rea
 Layout of ``<state>/detached/<launch id>/`` (``<state>`` is ``$NBLAUNCH_STATE_DIR``, else
 ``$XDG_STATE_HOME/nblaunch``, else ``~/.local/state/nblaunch``)::
 
-    request.pkl      what to run: the function, its arguments, the launch's settings (cloudpickle)
+    request.pkl      what to run: the job, with the launch's request (cloudpickle; see jobs)
     where.json       the kernel's folder and sys.path, to read request.pkl as the kernel would
     state.json       id, function, started, ranks, log folder, the supervisor's pid and start time
     journal/         every event of the launch, as it happened (nblaunch.detached.journal)
@@ -31,8 +31,10 @@ from typing import Any
 import cloudpickle
 
 from nblaunch import proctree
+from nblaunch.contract.variables import STATE_DIR
 
-__all__ = ["finish", "supervisor_alive", "state_root", "detached_root", "launch_folders", "new_launch_folder", "read_state", "write_state",
+__all__ = ["finish", "supervisor_alive", "state_root", "detached_root", "launch_folders", "new_launch_folder", "read_state",
+           "read_job", "write_state",
            "write_atomically", "prune", "NotYoursError", "RETENTION_S", "COLLECTED_RETENTION_S"]
 
 # An outcome nobody collected is kept a week; one a kernel collected, a day (documented in docs/usage.md).
@@ -46,7 +48,7 @@ class NotYoursError(PermissionError):
 
 def state_root() -> str:
     """nblaunch's state folder for this user."""
-    explicit = os.environ.get("NBLAUNCH_STATE_DIR")
+    explicit = os.environ.get(STATE_DIR)
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -108,6 +110,14 @@ def read_state(folder: str) -> dict[str, Any]:
     _check_private(folder)
     with open(os.path.join(folder, "state.json"), encoding="utf-8") as file:
         return json.load(file)
+
+
+def read_job(folder: str) -> Any:
+    """The job the kernel left in ``folder`` (it imports what the job names: read it where the
+    kernel's modules import, as the daemon does)."""
+    _check_private(folder)
+    with open(os.path.join(folder, "request.pkl"), "rb") as file:
+        return cloudpickle.loads(file.read())
 
 
 def write_state(folder: str, **changes: Any) -> dict[str, Any]:

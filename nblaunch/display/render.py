@@ -1,4 +1,4 @@
-"""HTML for each part of the dashboard, from a :class:`~nblaunch.display.state.LaunchView`.
+"""HTML for each part of the dashboard, from a :class:`~nblaunch.display.view_state.LaunchView`.
 
 Plain functions from the view to HTML text, used twice: by the live widget (one HTML widget
 per part) and by :mod:`nblaunch.display.summary` for the static record left in the cell at the
@@ -20,7 +20,7 @@ from html import escape
 
 from nblaunch import frames
 from nblaunch.display.logring import LogRing
-from nblaunch.display.state import Bar, LaunchView, RankView
+from nblaunch.display.view_state import Bar, LaunchView, RankView
 from nblaunch.display.svgchart import format_number, line_chart
 from nblaunch.events import RankState
 

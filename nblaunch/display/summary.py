@@ -12,7 +12,7 @@ from html import escape
 from nblaunch import frames
 from nblaunch.display.render import (FONT, MONO, STATE_COLOURS, badge, fold, log_lines, metrics_html, plain_text,
                                      pre_block, rank_colour, ranks_html)
-from nblaunch.display.state import LaunchView
+from nblaunch.display.view_state import LaunchView
 from nblaunch.events import RankState
 
 SUMMARY_LOG_LINES = 40  # log tail per rank in the static summary: enough to see the end, small to save

@@ -9,7 +9,7 @@ shows what happened where widgets do not render (GitHub, nbviewer, a kernel-less
 
 Why it stays cheap and correct:
 
-* ``on_event`` only folds the event into a :class:`~nblaunch.display.state.LaunchView` under a
+* ``on_event`` only folds the event into a :class:`~nblaunch.display.view_state.LaunchView` under a
   lock (microseconds), so 100k lines of output do not slow the launch.
 * A timer thread redraws the parts that changed at most ``1 / refresh_s`` times a second by
   setting the ``value`` of a few HTML widgets. Each update is one comm message with the current
@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from nblaunch.display import render
-from nblaunch.display.state import HEADER, MERGED_LOG, METRICS, RANKS, STACKS, LaunchView, rank_log
+from nblaunch.display.view_state import HEADER, MERGED_LOG, METRICS, RANKS, STACKS, LaunchView, rank_log
 from nblaunch.display.summary import summary_html
 from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankStarted
 

@@ -1,66 +1,40 @@
 """What a launch raises, and why.
 
 - :class:`LaunchConfigError`: bad input, raised before any process starts.
-- :class:`RankFailedError`: one or more ranks failed; the root cause comes first and the
-  original exception (with its remote traceback) is chained as ``__cause__``.
+- :class:`RankFailedError`: one or more ranks failed (each a
+  :class:`~nblaunch.contract.failure.RankFailure`); the root cause, chosen in one place
+  (:meth:`RankFailedError.blaming`), comes first, and its exception (with its remote traceback)
+  is chained as ``__cause__``.
 - :class:`LaunchTimeoutError`: ``timeout=`` ran out; carries every rank's stack.
 - :class:`LaunchCancelledError`: a non-blocking launch was cancelled.
 - :class:`LaunchInterrupted`: interrupted (a ``KeyboardInterrupt``); every rank was stopped.
 
-:func:`failure_from_report` and :func:`failure_from_exit` say how one rank failed, from its
-own report or from how its process ended; :func:`root_cause_first` orders a launch's failures.
+:func:`failure_from_exit` says how a rank failed from how its process ended (a rank's own
+report arrives as a ``RankFailure`` already).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import pickle
+import re
 import signal
-from dataclasses import dataclass, field
 
 from nblaunch import frames
+from nblaunch.contract.failure import Phase, RankFailure, RemoteTraceback
 
 
 class LaunchConfigError(ValueError):
     """The launch was refused before any process started; the message says what to change."""
 
 
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker, as text, chained below the exception."""
+_COLLECTIVE = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
 
-    def __init__(self, text: str):
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return "\n" + frames.name_cells(self.text)
-
-
-class RemoteError(Exception):
-    """Stands in for a worker's exception whose type cannot be rebuilt in the launcher."""
-
-    def __init__(self, type_name: str, message: str):
-        super().__init__(f"{type_name}: {message}")
-        self.type_name = type_name
-        self.message = message
-
-    def __reduce__(self):  # pickled whole: a detached launch's outcome crosses processes
-        return (type(self), (self.type_name, self.message))
-
-
-@dataclass
-class RankFailure:
-    """How one rank failed."""
-
-    rank: int
-    reason: str  # one line: "ValueError: boom", "killed by SIGKILL (likely out of memory)", ...
-    exception: BaseException | None = None  # rebuilt from the worker, chained with its traceback
-    traceback: str = ""
-    exitcode: int | None = None
-    signal_name: str | None = None
-    collateral: bool = False  # a communication error that another rank's failure likely caused
-    log_tail: list[str] = field(default_factory=list)  # last lines of its output, for crashes
-    hint: str = ""  # what to do about it, where nblaunch knows
+UNEVEN_WORK_HINT = (
+    "This is the usual sign of uneven work: the ranks ran different numbers of steps or batches. "
+    "Give every rank the same number of batches (a prepared DataLoader does, with even_batches=True; "
+    "or drop_last=True), or let ranks that run out wait for the others with "
+    "Accelerator.join_uneven_inputs / torch.distributed.algorithms.Join."
+)
 
 
 class RankFailedError(RuntimeError):
@@ -85,6 +59,29 @@ class RankFailedError(RuntimeError):
 
     def __reduce__(self):  # pickled whole: a detached launch's outcome crosses processes
         return (type(self), (self.failures, self.stacks))
+
+    @classmethod
+    def blaming(cls, failures: list[RankFailure], stacks: dict[int, str], shown_failing: list[int],
+                finished: list[int]) -> "RankFailedError":
+        """The error of a launch whose ranks ``failures`` failed (in the order they did), wherever
+        they ran: the one place the root cause is chosen.
+
+        A rank's own error comes before the errors a dead peer caused (``collateral``), then the
+        order in which the display showed the ranks failing (``shown_failing``), so that what the
+        user saw first is what is blamed (ranks failing on the same line differ by a millisecond
+        either way). When every failure is a lost peer and some ranks ``finished`` normally, no
+        one broke: the root cause says that they left while it still waited for them.
+        """
+        shown = {rank: i for i, rank in enumerate(shown_failing)}
+        ordered = sorted(failures, key=lambda f: (f.collateral, shown.get(f.rank, len(shown))))  # stable
+        root = ordered[0]
+        if root.collateral and finished:
+            found = _COLLECTIVE.findall(root.traceback)
+            where = f"in {found[-1]}()" if found else "in a collective"
+            who = " and ".join(f"rank {r}" for r in finished)
+            root.reason = f"still {where} when {who} finished and left: {root.reason}"
+            root.hint = UNEVEN_WORK_HINT
+        return cls(ordered, stacks)
 
     @property
     def root_cause(self) -> RankFailure:
@@ -135,47 +132,16 @@ class LaunchTimeoutError(TimeoutError):
         return (type(self), (self.timeout, self.stacks))
 
 
-def root_cause_first(failures: list[RankFailure], shown_failing: list[int]) -> list[RankFailure]:
-    """``failures`` in the order a launch blames them, wherever its ranks ran: a rank's own
-    error before the errors a dead peer caused (``collateral``), then in the order the display
-    showed the ranks failing (``shown_failing``), so that what the user saw first is what is
-    blamed; ranks failing on the same line differ by a millisecond either way. The sort is
-    stable: pass ``failures`` in the order they happened."""
-    shown = {rank: i for i, rank in enumerate(shown_failing)}
-    return sorted(failures, key=lambda f: (f.collateral, shown.get(f.rank, len(shown))))
-
-
-def failure_from_report(rank: int, report: dict) -> RankFailure:
-    exception: BaseException
-    try:
-        exception = pickle.loads(report["exception"]) if report["exception"] else None
-    except Exception:
-        exception = None
-    if exception is None:
-        type_name = report["type"].rsplit(".", 1)[-1]
-        exception = RemoteError(type_name, report["reason"].split(": ", 1)[-1])
-    if report["traceback"]:
-        exception.__cause__ = RemoteTraceback(report["traceback"])
-    return RankFailure(
-        rank=rank,
-        reason=report["reason"],
-        exception=exception,
-        traceback=report["traceback"],
-        collateral=report["collateral"],
-        hint=report.get("hint", ""),
-    )
-
-
 def failure_from_exit(rank: int, code: int, tail: list[str]) -> RankFailure:
+    """How rank ``rank`` failed, from its exit ``code`` and the last lines it wrote."""
     if code < 0:
         name = signal.Signals(-code).name
         reason = f"killed by {name}"
         if -code == signal.SIGKILL:
             reason += " (most likely the out-of-memory killer: the machine ran out of memory)"
-        return RankFailure(rank, reason, exitcode=code, signal_name=name, log_tail=tail)
+        return RankFailure(rank, reason, phase=Phase.ENDED, exitcode=code, signal_name=name, log_tail=tail)
     if code == 0:
-        return RankFailure(rank, "exited with code 0 without returning (os._exit in the function?)", exitcode=code, log_tail=tail)
-    reason = f"exited with code {code}"
-    if not tail:
-        reason += " without a report and without writing anything"
-    return RankFailure(rank, reason, exitcode=code, log_tail=tail)
+        reason = "exited with code 0 without returning (os._exit in the function?)"
+    else:
+        reason = f"exited with code {code}" + ("" if tail else " without a report and without writing anything")
+    return RankFailure(rank, reason, phase=Phase.ENDED, exitcode=code, log_tail=tail)

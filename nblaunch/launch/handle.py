@@ -19,23 +19,26 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
-from nblaunch.launch.homes import LocalHome, RanksHome, RankWatcher
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.ranks_home import RanksHome, RankWatcher
+from nblaunch.launch.starting.packing import Payload
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
 
 class Launch:
     """A launch in progress or finished; ``notebook_launcher(..., block=False)`` returns one.
+
+    Made from a home (``launch/ranks_home``), which holds the checked request and its plan: the
+    function, its arguments, the timeout and the display are the request's.
 
     Example::
 
@@ -45,12 +48,9 @@ class Launch:
         launch.cancel()        # or: results = launch.result()
     """
 
-    def __init__(self, plan: LaunchPlan, function: Callable, args: tuple, timeout: float | None, display: Any,
-                 home: RanksHome | None = None):
-        self.plan = plan
-        self._function = function
-        self._args = args
-        self._timeout = timeout
+    def __init__(self, home: RanksHome):
+        self.plan = plan = home.plan
+        self._timeout = plan.request.timeout
         self._future: Future = Future()
         self._lock = threading.Lock()
         self._supervisor: RankWatcher | None = None  # the current attempt's
@@ -65,13 +65,12 @@ class Launch:
         self._pid = os.getpid()  # a fork of this process does not own the launch
         self.launch_id = uuid.uuid4().hex
         # Made on the caller's thread: a home may import for the ranks or check the cluster first.
-        self._home: RanksHome = home if home is not None else LocalHome()
-        self._home.prepare(plan, self.launch_id)
+        self._home = home
+        self._home.prepare(self.launch_id)
         self.log_dir = new_log_dir()
-        shown = self._home.rank_count(plan)
-        self._logs = LogFiles(self.log_dir, shown)
+        self._logs = LogFiles(self.log_dir, plan.shown_ranks)
         # Made here, on the caller's thread: a widget shows itself in the launching cell.
-        self._display = make_display(display, shown)
+        self._display = make_display(plan.request.display, plan.shown_ranks)
         self._sink = Fanout(self._logs, self._display)
 
     # ------------------------------------------------------------------ the handle
@@ -163,7 +162,7 @@ class Launch:
 
     def __repr__(self) -> str:
         # A saved cell keeps this text for good: a state that can still change says it was a moment's.
-        head = f"<Launch {self.plan.function_name} on {self._home.rank_count(self.plan)} processes, made at {self._made_at}"
+        head = f"<Launch {self.plan.request.function_name} on {self.plan.shown_ranks} processes, made at {self._made_at}"
         status = self.status
         if status in ("starting", "running"):
             return f"{head}: {status} when shown; .status says now, .result() waits for the end>"
@@ -194,7 +193,7 @@ class Launch:
         run = self._run_quietly
         if getattr(self._display, "prints_to_cell", False):
             run = functools.partial(contextvars.copy_context().run, self._run_quietly)
-        thread = threading.Thread(target=run, name=f"nblaunch-{self.plan.function_name}", daemon=True)
+        thread = threading.Thread(target=run, name=f"nblaunch-{self.plan.request.function_name}", daemon=True)
         if stop_at_exit:
             _unfinished.add(self)
         thread.start()
@@ -223,13 +222,12 @@ class Launch:
         raised. Call it, or ``start``, once."""
         plan = self.plan
         started = self._clock_start = time.monotonic()
-        started_with = dict(
-            function_name=plan.function_name, num_processes=plan.num_processes, world_size=plan.world_size,
+        self._emit(LaunchStarted(
+            function_name=plan.request.function_name, num_processes=plan.shown_ranks, world_size=plan.world_size,
             node_rank=plan.node_rank, start_method=plan.start_method, start_reason=plan.start_reason,
             master_addr=plan.master_addr, master_port=plan.master_port, devices=plan.devices,
             log_dir=self.log_dir, meeting_point=plan.meeting_point,
-        )
-        self._emit(LaunchStarted(**dict(started_with, **self._home.describe(plan))))
+        ))
         outcome: Any = None
         try:
             while True:
@@ -237,11 +235,11 @@ class Launch:
                     results = self._attempt(plan, started)
                     break
                 except RankFailedError as error:
-                    if plan.restart >= plan.max_restarts or self._cancel_requested:
+                    if plan.restart >= plan.request.max_restarts or self._cancel_requested:
                         raise
                     plan = _next_start(plan)
                     root = error.root_cause
-                    self._emit(LaunchRestarting(restart=plan.restart, max_restarts=plan.max_restarts,
+                    self._emit(LaunchRestarting(restart=plan.restart, max_restarts=plan.request.max_restarts,
                                                 failed_rank=root.rank, reason=root.reason.splitlines()[0]))
             elapsed = time.monotonic() - self._clock_start
             self._status = "done"
@@ -249,7 +247,7 @@ class Launch:
             self._emit(
                 LaunchFinished(
                     state=RankState.DONE, elapsed_s=elapsed, results=results,
-                    summary=f"{_all_ranks(self._home.rank_count(plan))} done in {elapsed:.2f} s{restarted}",
+                    summary=f"{_all_ranks(plan.shown_ranks)} done in {elapsed:.2f} s{restarted}",
                 )
             )
             outcome = results
@@ -274,7 +272,7 @@ class Launch:
             timeout = self._timeout - (time.monotonic() - started)
             if timeout <= 0:
                 raise LaunchTimeoutError(self._timeout, {})
-        with self._home.attempt(plan, self._function, self._args, self._emit, timeout, self.log_dir) as watcher:
+        with self._home.attempt(plan, self._emit, timeout, self.log_dir) as watcher:
             with self._lock:
                 self._supervisor = watcher
                 if self._cancel_requested:
@@ -296,7 +294,7 @@ def _ending(error: BaseException, elapsed: float, plan: LaunchPlan) -> tuple[str
     """How a launch that raised ``error`` ended: its ``Launch.status`` and its last event."""
     if isinstance(error, RankFailedError):
         root = error.root_cause
-        restarts = f" (restarted {plan.restart} of {plan.max_restarts} times)" if plan.max_restarts else ""
+        restarts = f" (restarted {plan.restart} of {plan.request.max_restarts} times)" if plan.request.max_restarts else ""
         summary = f"rank {root.rank} failed after {elapsed:.2f} s{restarts}: {root.reason}"
         return "failed", LaunchFinished(
             RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank, summary=summary
@@ -324,7 +322,7 @@ def _stop_unfinished_launches() -> None:
     for launch in running:
         try:
             print(
-                f"nblaunch: the interpreter is exiting while the launch of {launch.plan.function_name} "
+                f"nblaunch: the interpreter is exiting while the launch of {launch.plan.request.function_name} "
                 f"(block=False) still runs: stopping it. Its logs: {launch.log_dir}. To wait for it "
                 "instead, call launch.result() before the end.",
                 file=sys.stderr,

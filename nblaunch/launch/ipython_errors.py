@@ -15,8 +15,9 @@ import types
 from typing import Any, Iterator
 
 from nblaunch import frames
+from nblaunch.contract.failure import RemoteTraceback
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError,
-                                    RankFailedError, RemoteTraceback)
+                                    RankFailedError)
 
 __all__ = ["install", "without_launcher_frames"]
 

@@ -36,7 +36,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from nblaunch.launch.errors import LaunchConfigError
-from nblaunch.warm.detached import DetachedWarmRanks
+from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.calls import namespace_names, run_code
 
@@ -129,7 +129,7 @@ class DistributedMagics(Magics):
             print(f"nblaunch: could not look for detached warm ranks ({error}); starting new ones")
             return
         spawn, nodes, cluster, cpu = shape
-        pool_shape = pool.shape
+        pool_shape = _shape_of(pool.request)
         asked_otherwise = ((num_processes is not None and num_processes != pool.num_processes)
                            or (spawn and not pool_shape[0]) or (cpu and not pool_shape[3]))
         if asked_otherwise:
@@ -166,10 +166,15 @@ class DistributedMagics(Magics):
                                 "or %%distributed as a cell magic")
 
 
+def _shape_of(request: Any) -> tuple:
+    """What a cell's options say of a pool's ``LaunchRequest``: (spawn, nodes, cluster, cpu)."""
+    return (request.start_method == "spawn", request.num_nodes, request.cluster, request.cpu)
+
+
 def _describe(shape: tuple) -> str:
     spawn, nodes, cluster, cpu = shape
     parts = ["by spawn" if spawn else "by fork", "on the CPU" if cpu else "on this machine's devices"]
-    return ", ".join(parts + ([f"on {nodes} Ray nodes"] if cluster else []))
+    return ", ".join(parts + ([f"on {nodes} nodes of cluster={cluster!r}"] if cluster is not None else []))
 
 
 def used_names(source: str) -> set[str]:

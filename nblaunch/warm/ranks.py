@@ -23,21 +23,21 @@ import weakref
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.detached import channel, store
+from nblaunch.detached import call_socket, store
 from nblaunch.display import make_display
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
-from nblaunch.homes import choose_home
+from nblaunch.homes import home_class, open_home
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.homes import RanksHome
 from nblaunch.launch.planning import pickling
-from nblaunch.launch.planning.plan import LaunchPlan, LaunchRequest
+from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.starting.packing import Payload
 from nblaunch.launch.supervising.interrupts import interrupts_wait
-from nblaunch.warm.calls import CallRouter, CallTimedOut
-from nblaunch.warm.detached import DetachedWarmRanks, Relay
+from nblaunch.warm.call_router import CallRouter, CallTimedOut
+from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
 from nblaunch.worker.calls import serve_calls
 
 _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
@@ -48,7 +48,7 @@ class WarmRanks:
 
     ``detach=True`` keeps them under a supervisor of their own, outside the kernel: a kernel
     restart leaves them (and what they hold) up, and ``WarmRanks.attach()`` in the next kernel
-    runs on them again (see :mod:`nblaunch.warm.detached`).
+    runs on them again (see :mod:`nblaunch.warm.detached_pool`).
 
     Args:
         num_processes, mixed_precision, use_port, start_method, cpu: as for ``notebook_launcher``.
@@ -67,18 +67,19 @@ class WarmRanks:
     """
 
     def __new__(cls, num_processes: int | None = None, mixed_precision: str = "no", *,
-                display: str | Display = "auto", detach: bool = False, **options: Any) -> Any:
+                use_port: int | str | None = None, start_method: str | None = None,
+                display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None,
+                cpu: bool = False, detach: bool = False) -> Any:
         if not isinstance(detach, bool):
             raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
         if not detach:
             return super().__new__(cls)
-        if options.get("cluster") is not None:
-            raise LaunchConfigError("detach=True keeps warm ranks on this machine: leave cluster= out "
-                                    "(detached warm ranks on Ray are not supported yet)")
-        options = dict(options, num_processes=num_processes, mixed_precision=mixed_precision)
-        checked = WarmRanks(**options, display="none")  # bad input is refused here; it starts nothing
-        checked.close()
-        return DetachedWarmRanks.start(PoolJob(options), checked.num_processes, display)
+        request = _pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu)
+        if not home_class(request).keeps_warm_ranks:
+            raise LaunchConfigError(f"detach=True keeps warm ranks on this machine: leave cluster={cluster!r} out "
+                                    "(detached warm ranks on a cluster are not supported yet)")
+        home = _pool_home(request)  # bad input is refused here; it starts nothing
+        return DetachedWarmRanks.start(PoolJob(request), home.plan.num_processes, display)
 
     @classmethod
     def attach(cls, launch_id: str | None = None, display: str | Display = "auto") -> DetachedWarmRanks:
@@ -90,16 +91,23 @@ class WarmRanks:
                  use_port: int | str | None = None, start_method: str | None = None,
                  display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None,
                  cpu: bool = False, detach: bool = False) -> None:
-        if not isinstance(cpu, bool):
-            raise LaunchConfigError(f"cpu must be True or False, got {cpu!r}")
-        self._options = dict(num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
-                             start_method=start_method, num_nodes=num_nodes, cluster=cluster, cpu=cpu)
+        self._take(_pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu),
+                   display)
+
+    @classmethod
+    def from_request(cls, request: LaunchRequest, display: str | Display = "none") -> "WarmRanks":
+        """Warm ranks for a pool's ``request``, as ``WarmRanks(...)`` made it (a detached pool's
+        supervisor makes its pool so)."""
+        pool = object.__new__(cls)
+        pool._take(request, display)
+        return pool
+
+    def _take(self, request: LaunchRequest, display: str | Display) -> None:
+        self.request = request
         self._display = display
-        self._home: RanksHome
-        self._plan = self._make_plan()  # bad input is refused here, before anything starts
-        if self._plan.start_method == "xla":
-            raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
-                                    "processes); use notebook_launcher, which starts them per call")
+        # Bad input is refused here, before anything starts; each start of the ranks plans again
+        # (a fresh port), with the display that routes each call's events to its cell.
+        self._home = _pool_home(request)
         self._launch: Launch | None = None
         self._router: CallRouter | None = None
         self._ids = itertools.count(1)
@@ -113,11 +121,11 @@ class WarmRanks:
     @property
     def num_processes(self) -> int:
         """Ranks per node (all of them on one machine)."""
-        return self._plan.num_processes
+        return self._home.plan.num_processes
 
     @property
     def _num_ranks(self) -> int:
-        return self._home.rank_count(self._plan)
+        return self._home.plan.shown_ranks
 
     @property
     def alive(self) -> bool:
@@ -230,9 +238,9 @@ class WarmRanks:
             print(f"nblaunch: the warm ranks had ended ({self._ended_with}); starting "
                   f"{self._num_ranks} fresh ones: what the old ones held is gone", file=sys.stderr)
             self._ended_with = None
-            self._plan = self._make_plan()  # a fresh port
         router = CallRouter(self._num_ranks)
-        launch = Launch(self._plan, serve_calls, (), None, router, home=self._home)
+        self._home = _pool_home(dataclasses.replace(self.request, display=router))
+        launch = Launch(self._home)
         launch.start(stop_at_exit=False)  # warm ranks are closed quietly at exit, see _close_all
         self._launch, self._router = launch, router
         try:
@@ -253,18 +261,6 @@ class WarmRanks:
                   "the next one starts fresh ranks", file=sys.stderr)
         self._launch.result(timeout=_CLOSE_S)  # raises the pool's error, if it had one
 
-    def _make_plan(self) -> LaunchPlan:
-        """The pool's plan (a fresh port each time), and its home."""
-        o = self._options
-        if o["cluster"] is None and o["num_nodes"] != 1:
-            raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray', "
-                                    f"or leave num_nodes out (got num_nodes={o['num_nodes']!r})")
-        request = LaunchRequest(serve_calls, (), o["num_processes"], o["mixed_precision"], o["use_port"],
-                                num_nodes=o["num_nodes"], start_method=o["start_method"], display="none",
-                                force_cpu=o["cpu"])
-        plan, self._home = choose_home(request, o["cluster"])
-        return plan
-
     def _package_call(self, call_id: int, function: Callable, args: tuple) -> Payload:
         """The call for the ranks (big tensors and arrays in memfds on one machine, as for a
         spawn launch)."""
@@ -277,35 +273,55 @@ class WarmRanks:
             raise
 
 
+def _pool_home(request: LaunchRequest) -> RanksHome:
+    """The home of a pool (planned again for each fresh pool: a fresh port)."""
+    home = open_home(request)
+    if home.plan.start_method == "xla":
+        raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
+                                "processes); use notebook_launcher, which starts them per call")
+    return home
+
+
+def _pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start_method: Any, num_nodes: Any,
+                  cluster: Any, cpu: Any) -> LaunchRequest:
+    """The request of a pool: its ranks serve calls; each call has its own timeout and display."""
+    request = LaunchRequest(serve_calls, (), num_processes, mixed_precision, use_port, num_nodes=num_nodes,
+                            start_method=start_method, display="none", cpu=cpu, cluster=cluster)
+    if num_nodes != 1 and not home_class(request).starts_every_node:
+        raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray', "
+                                f"or leave num_nodes out (got num_nodes={num_nodes!r})")
+    return request
+
+
 @dataclasses.dataclass
 class PoolJob:
     """What the supervisor of detached warm ranks runs: an ordinary WarmRanks, and the calls
-    kernels send it one at a time (``nblaunch.detached.channel``), each shown in the calling
+    kernels send it one at a time (``nblaunch.detached.call_socket``), each shown in the calling
     kernel's cell. A caller is told "ready" when its turn comes, so one that waits (another
     kernel's call runs) and gives up is never served. A kernel that goes away mid-call leaves the
     call running; a call that cannot be read here is refused; neither ends the ranks."""
 
-    options: dict[str, Any]
+    request: LaunchRequest  # the pool's, as WarmRanks made it in the kernel
 
     def run(self, folder: str, stop_requested: threading.Event) -> None:
-        pool = WarmRanks(**self.options, display="none")
-        server = channel.listen(os.path.basename(folder))
+        pool = WarmRanks.from_request(self.request)
+        server = call_socket.listen(os.path.basename(folder))
         store.write_state(folder, status="running")
         signal.signal(signal.SIGTERM, lambda *_: self._stop(pool, folder))
         if stop_requested.is_set():
             self._stop(pool, folder)
         while True:
             try:
-                connection = channel.accept(server)
+                connection = call_socket.accept(server)
                 if connection is None:
                     continue
                 with connection:
-                    channel.send(connection, ("ready",))
+                    call_socket.send(connection, ("ready",))
                     if self._serve(pool, connection) == "closed":
                         store.finish(folder, "done", ("ok", None))  # before the answer: the caller sees it ended
-                        channel.send(connection, ("closed",))
+                        call_socket.send(connection, ("closed",))
                         return
-            except (KeyboardInterrupt, channel.ChannelClosed):
+            except (KeyboardInterrupt, call_socket.ChannelClosed):
                 continue  # an interrupt for a call already over, or a kernel gone: wait for the next
             except Exception:  # a bug of ours must not end what the ranks hold: logged, then the next caller
                 traceback.print_exc()
@@ -313,9 +329,9 @@ class PoolJob:
     @staticmethod
     def _serve(pool: "WarmRanks", connection: Any) -> str:
         try:
-            request = channel.receive(connection)
-        except channel.ChannelUnreadable as error:
-            channel.send(connection, ("raised", LaunchConfigError(
+            request = call_socket.receive(connection)
+        except call_socket.ChannelUnreadable as error:
+            call_socket.send(connection, ("raised", LaunchConfigError(
                 f"the detached warm ranks could not read this call ({error}): they run with the folder and "
                 "sys.path of the kernel that started them; define the function in the notebook, or put its "
                 "module where that kernel would find it")))
@@ -330,7 +346,7 @@ class PoolJob:
         except BaseException as error:  # the pool's own errors: a rank failed, a timeout, an interrupt
             outcome = ("raised", error)
         if relay.connected:
-            channel.send(connection, outcome)
+            call_socket.send(connection, outcome)
         return "served"
 
     @staticmethod

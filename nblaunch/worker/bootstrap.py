@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 from nblaunch import proctree, wire
-from nblaunch.worker import calls, channel, lifeline, payload, reports
+from nblaunch.contract import variables as v
+from nblaunch.contract.failure import Phase
+from nblaunch.worker import calls, channel, lifeline, payload
 from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.inherited import forget_accelerate_state, leave_interactive_session
 from nblaunch.worker.progress import install_progress_hooks
@@ -54,9 +56,9 @@ def run_forked(
     """Entry point in a freshly forked child. Never returns into the launcher's code."""
     try:
         with RankGuard(event_fd, stderr_fd) as guard:
-            guard.step = reports.JOINING
+            guard.phase = Phase.JOINING
             settle_forked_child(settings.parent_pid)
-            guard.step = reports.ATTACHING
+            guard.phase = Phase.ATTACHING
             attach_streams(stdout_fd, stderr_fd)
             guard.stderr_fd = 2
             code = _run_rank(guard, settings, function, args, event_fd, ControlSocket(control_fd))
@@ -85,13 +87,13 @@ def main_spawned(argv: list[str]) -> NoReturn:
     """Entry point of ``python -m nblaunch.worker CONTROL_FD EVENT_FD PARENT_PID``."""
     try:
         with RankGuard(None, 2) as guard:
-            guard.step = reports.JOINING
+            guard.phase = Phase.JOINING
             control_fd, event_fd, parent_pid = (int(a) for a in argv)
             guard.event_fd = event_fd
             lifeline.die_with_parent(parent_pid)
-            guard.step = reports.ATTACHING
+            guard.phase = Phase.ATTACHING
             attach_streams(1, 2)
-            guard.step = reports.LOADING
+            guard.phase = Phase.LOADING
             control = ControlSocket(control_fd)
             settings, data, buffers = payload.read(control)
             sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
@@ -105,9 +107,9 @@ def main_spawned(argv: list[str]) -> NoReturn:
 def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, args: tuple,
               event_fd: int, control: ControlSocket) -> int:
     """What forked and spawned ranks do alike once they can run: set up, serve, clean up."""
-    guard.step = reports.SETTING_UP
+    guard.phase = Phase.SETTING_UP
     _set_up_rank(settings, event_fd)
-    guard.step = reports.REPORTING
+    guard.phase = Phase.REPORTING
     code = serve(function, args, control, event_fd)
     leave_cleanly(event_fd)
     return code
@@ -119,7 +121,7 @@ def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     lifeline.become_subreaper()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if settings.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(settings.threads)
+        os.environ[v.OMP_NUM_THREADS] = str(settings.threads)
         torch = sys.modules.get("torch")  # forked from a parent that imported torch
         if torch is not None:
             torch.set_num_threads(settings.threads)
@@ -195,14 +197,15 @@ def _watch_launcher(control: ControlSocket, event_fd: int) -> None:
                     calls.deliver(kind, body, shared)
                     shared = None
     except BaseException as error:
-        send_failure(error, f"nblaunch's control thread in this rank broke: {describe(error)}", fd=event_fd)
+        send_failure(error, f"nblaunch's control thread in this rank broke: {describe(error)}", phase=Phase.WATCHING,
+                     fd=event_fd)
         os._exit(1)
 
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 # The worker code that calls the user's function; frames of other worker modules (channel,
 # progress, streams) are called *by* the user's code.
-_ENTRY_FILES = {os.path.join(_WORKER_DIR, name) for name in ("bootstrap.py", "calls.py", "xla.py")}
+_ENTRY_FILES = {os.path.join(_WORKER_DIR, name) for name in ("bootstrap.py", "calls.py", "xla_ranks.py")}
 
 
 def _users_code_starts(summary: traceback.StackSummary) -> int:

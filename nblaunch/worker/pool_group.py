@@ -20,6 +20,8 @@ import functools
 import os
 from typing import Any, Callable
 
+from nblaunch.contract import variables as v
+
 
 def form_pool_group() -> None:
     """Join the default process group of the pool (every rank calls it before serving)."""
@@ -29,10 +31,10 @@ def form_pool_group() -> None:
 
     if not dist.is_available() or dist.is_initialized():
         return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(os.environ[v.RANK]), int(os.environ[v.WORLD_SIZE])
     backend = "gloo"
-    if os.environ.get("NBLAUNCH_FORCE_CPU") != "1" and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if os.environ.get(v.FORCE_CPU) != "1" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get(v.LOCAL_RANK, "0")) % torch.cuda.device_count())
         backend = "nccl"  # no device_id: NCCL makes its communicators lazily
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
     dist.init_process_group = _answered_by_the_pool(dist, backend)

@@ -1,24 +1,23 @@
 """How a rank tells the launcher that it failed, in its function or before it could run it.
 
-A report is a pickled dict on the event pipe (see ``failure_from_report`` in nblaunch.launch.errors).
-Everything here must work whatever the exception does: its ``__str__`` may raise, it may not
-pickle, formatting its traceback reads source files that may be slow.
+A report is a :class:`~nblaunch.contract.failure.RankFailure`, pickled, on the event pipe; the
+launcher numbers it by the pipe it came on. Everything here must work whatever the exception
+does: its ``__str__`` may raise, it may not pickle, formatting its traceback reads source files
+that may be slow.
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import os
 import pickle
 import sys
 import time
 import traceback
 from types import TracebackType
-from typing import Any
-
-import cloudpickle
 
 from nblaunch import frames, wire
+from nblaunch.contract.failure import NOT_NUMBERED, Phase, RankFailure
 from nblaunch.worker import channel
 from nblaunch.worker.streams import flush_streams
 
@@ -70,7 +69,8 @@ def caused_by_peer(error: BaseException) -> bool:
     return any(marker in message for marker in _PEER_GONE)
 
 
-def send_failure(error: BaseException, reason: str | None = None, *, hint: str = "", fd: int | None = None) -> None:
+def send_failure(error: BaseException, reason: str | None = None, *, phase: Phase = Phase.RUNNING, hint: str = "",
+                 fd: int | None = None) -> None:
     """Report a failure in two frames: what and when at once, then the traceback.
 
     Formatting a traceback reads source files (linecache) and pickling runs arbitrary code;
@@ -79,65 +79,25 @@ def send_failure(error: BaseException, reason: str | None = None, *, hint: str =
     goes out first: a rank stopped while formatting its traceback still leaves its last lines.
     """
     flush_streams()
-    report: dict[str, Any] = {
-        "type": f"{type(error).__module__}.{type(error).__qualname__}",
-        "reason": reason or describe(error),
-        "hint": hint,
-        "traceback": "",
-        "exception": None,
-        "time": time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
-        "collateral": caused_by_peer(error),
-        "final": False,
-    }
-    channel.send(wire.ERROR, pickle.dumps(report), fd=fd)
-    report["traceback"] = _bounded_text(format_traceback(error))
-    report["exception"] = _pickled_exception(error)
-    report["final"] = True
-    channel.send(wire.ERROR, pickle.dumps(report), fd=fd)
+    first = RankFailure(
+        rank=NOT_NUMBERED,
+        reason=reason or describe(error),
+        phase=phase,
+        type_name=f"{type(error).__module__}.{type(error).__qualname__}",
+        hint=hint,
+        collateral=caused_by_peer(error),
+        failed_at=time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
+        complete=False,
+    )
+    channel.send(wire.ERROR, pickle.dumps(first), fd=fd)
+    # Pickling the record pickles the exception, bounded (contract.failure): a big or broken one
+    # leaves its type, message and traceback.
+    whole = dataclasses.replace(first, traceback=_bounded_text(format_traceback(error)), exception=error,
+                                complete=True)
+    channel.send(wire.ERROR, pickle.dumps(whole), fd=fd)
 
 
-# An exception may carry anything (a 400 MB tensor): the traceback must arrive whatever it holds.
-_EXCEPTION_MAX_BYTES = 4 << 20  # beyond this the launcher gets its type, message and traceback only
 _TRACEBACK_MAX_CHARS = 200_000
-
-
-class _TooBig(Exception):
-    pass
-
-
-class _BoundedBuffer(io.BytesIO):
-    """Refuses to grow past ``_EXCEPTION_MAX_BYTES``: a big bytes object or list is never
-    copied whole, the pickler stops at its first write past the limit."""
-
-    def write(self, data) -> int:
-        if self.tell() + memoryview(data).nbytes > _EXCEPTION_MAX_BYTES:
-            raise _TooBig
-        return super().write(data)
-
-
-class _BoundedPickler(cloudpickle.Pickler):
-    """Gives up before serialising a big tensor or array at all (their bytes would be made in
-    memory first, then written)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        nbytes = getattr(obj, "nbytes", None)  # numpy arrays, torch tensors and storages
-        if callable(nbytes):
-            nbytes = nbytes()
-        if isinstance(nbytes, int) and nbytes > _EXCEPTION_MAX_BYTES:
-            raise _TooBig
-        return super().reducer_override(obj)
-
-
-def _pickled_exception(error: BaseException) -> bytes | None:
-    """The exception, pickled, if it is small and can be rebuilt; else None."""
-    out = _BoundedBuffer()
-    try:
-        _BoundedPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(error)
-        pickled = out.getvalue()
-        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
-        return pickled
-    except BaseException:
-        return None
 
 
 def _bounded_text(text: str) -> str:
@@ -147,16 +107,9 @@ def _bounded_text(text: str) -> str:
     return f"{text[:half]}\n... ({len(text) - 2 * half} characters left out) ...\n{text[-half:]}"
 
 
-# What a rank is doing outside the user's function, as RankGuard's report says it.
-JOINING = "could not start (joining its process group)"
-ATTACHING = "could not start (attaching its output to the launcher)"
-LOADING = "could not start (loading the function and its arguments)"
-SETTING_UP = "could not start (setting up the rank)"
-REPORTING = "failed outside the function (sending its outcome back)"
-
-# What the user can do about it, where there is something.
-_STEP_HINTS = {
-    LOADING: (
+# What the user can do about a failure outside the function, where there is something.
+_PHASE_HINTS = {
+    Phase.LOADING: (
         "A spawned rank rebuilds the function and its arguments by importing, by name, the modules "
         "they come from. Make every such module importable in a fresh interpreter (installed, or its "
         "folder on sys.path before the launch), or define the function in the notebook; with no CUDA "
@@ -169,9 +122,9 @@ _DEFAULT_HINT = (
 )
 
 
-def hint_for(step: str) -> str:
-    """What to do about a failure ``step`` (one of the constants above)."""
-    return _STEP_HINTS.get(step, _DEFAULT_HINT)
+def hint_for(phase: Phase) -> str:
+    """What to do about a failure in ``phase``, outside the user's function."""
+    return _PHASE_HINTS.get(phase, _DEFAULT_HINT)
 
 
 class RankGuard:
@@ -185,14 +138,14 @@ class RankGuard:
     Example::
 
         with RankGuard(event_fd, stderr_fd) as guard:
-            guard.step = ATTACHING
+            guard.phase = Phase.ATTACHING
             attach_streams(...)
     """
 
     def __init__(self, event_fd: int | None, stderr_fd: int):
         self.event_fd = event_fd
         self.stderr_fd = stderr_fd  # becomes 2 once the streams are attached
-        self.step = JOINING
+        self.phase = Phase.JOINING
 
     def __enter__(self) -> "RankGuard":
         return self
@@ -206,11 +159,11 @@ class RankGuard:
             os._exit(70)
 
     def _report(self, error: BaseException) -> None:
-        reason = f"{self.step}: {describe(error)}"
-        hint = hint_for(self.step)
+        reason = f"{self.phase.value}: {describe(error)}"
+        hint = hint_for(self.phase)
         if self.event_fd is not None:
             try:
-                send_failure(error, reason, hint=hint, fd=self.event_fd)
+                send_failure(error, reason, phase=self.phase, hint=hint, fd=self.event_fd)
                 return
             except BaseException:
                 pass

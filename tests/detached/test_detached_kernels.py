@@ -84,7 +84,7 @@ def state_dir(tmp_path):
 
 
 def stop_every_launch_in(state_dir: str) -> None:
-    from nblaunch.detached.handle import DetachedLaunch
+    from nblaunch.detached.detached_launch import DetachedLaunch
 
     root = os.path.join(state_dir, "detached")
     for name in os.listdir(root) if os.path.isdir(root) else ():

@@ -11,7 +11,7 @@ import time
 from htmlq import bars, text
 
 from nblaunch.display import render
-from nblaunch.display.state import LaunchView
+from nblaunch.display.view_state import LaunchView
 from nblaunch.display.summary import summary_html
 from nblaunch.events import LaunchFinished, Output, Progress, RankFinished, RankStarted, RankState, Stacks
 from test_widget_display import started

@@ -109,13 +109,14 @@ ONE_GPU_MACHINE = '''
 import json, os
 from nblaunch import LaunchConfigError, WarmRanks, notebook_launcher
 from nblaunch.launch.planning import devices
-from nblaunch.launch.planning.plan import LaunchRequest, make_plan
+from nblaunch.launch.planning.plan import plan_here
+from nblaunch.launch.planning.request import LaunchRequest
 
 def where():
     import os, torch
     return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
 
-default = make_plan(LaunchRequest(where))
+default = plan_here(LaunchRequest(where))
 out = {"count": devices.cuda_device_count(), "default": [default.num_processes, default.device_kind, default.devices]}
 for name, call in (("launch", lambda: notebook_launcher(where, num_processes=2, display="none")),
                    ("warm", lambda: WarmRanks(num_processes=2, display="none"))):
@@ -126,7 +127,7 @@ for name, call in (("launch", lambda: notebook_launcher(where, num_processes=2, 
         out[name] = str(error)
 out["cpu"] = notebook_launcher(where, num_processes=2, cpu=True, display="none")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-hidden = make_plan(LaunchRequest(where))
+hidden = plan_here(LaunchRequest(where))
 out["hidden"] = [devices.cuda_device_count(), hidden.num_processes, hidden.device_kind]
 print("RESULT " + json.dumps(out), flush=True)
 '''

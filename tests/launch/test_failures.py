@@ -13,7 +13,7 @@ import torch.distributed as dist
 import nblaunch
 from nblaunch import LaunchTimeoutError, RankFailedError, RemoteError, notebook_launcher
 from nblaunch.events import RankFinished, RankState, Stacks
-from nblaunch.launch.errors import RemoteTraceback
+from nblaunch.contract.failure import RemoteTraceback
 
 
 def rank_one_raises_while_rank_zero_waits():

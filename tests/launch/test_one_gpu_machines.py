@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nblaunch import LaunchConfigError, RankFailedError, WarmRanks, notebook_launcher
 from nblaunch.events import LaunchStarted, RankStarted
-from nblaunch.launch.planning import checks, devices
+from nblaunch.launch.planning import devices, plan
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_one_rank_is_a_launch_like_any_other(recorder):
 def test_fp8_is_refused_before_anything_starts_where_it_cannot_run(one_gpu, monkeypatch):
     with pytest.raises(LaunchConfigError, match="'fp8' needs CUDA GPUs .* use 'bf16' or 'no'"):
         notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8", cpu=True)
-    monkeypatch.setattr(checks, "_FP8_BACKENDS", ("no_such_fp8_backend",))
+    monkeypatch.setattr(plan, "FP8_BACKENDS", ("no_such_fp8_backend",))
     with pytest.raises(LaunchConfigError, match="nblaunch's Accelerator does not do fp8. Use mixed_precision='bf16'"):
         notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8")
 

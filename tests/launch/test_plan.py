@@ -6,7 +6,8 @@ import pytest
 
 from nblaunch import LaunchConfigError
 from nblaunch.launch.planning import devices
-from nblaunch.launch.planning.plan import LaunchRequest, make_plan
+from nblaunch.launch.planning.plan import plan_here
+from nblaunch.launch.planning.request import LaunchRequest
 
 
 def noop():
@@ -16,10 +17,10 @@ def noop():
 def plan(**overrides):
     arguments = dict(
         function=noop, args=(), num_processes=2, mixed_precision="no", use_port=None, master_addr="127.0.0.1",
-        node_rank=0, num_nodes=1, start_method=None, timeout=None, display="none", force_cpu=False,
+        node_rank=0, num_nodes=1, start_method=None, timeout=None, display="none", cpu=False,
     )
     arguments.update(overrides)
-    return make_plan(LaunchRequest(**arguments))
+    return plan_here(LaunchRequest(**arguments))
 
 
 def test_fork_is_chosen_on_a_cpu_machine_and_the_reason_is_given():
@@ -35,7 +36,7 @@ def test_cuda_already_initialised_here_means_spawn_and_fork_is_refused(monkeypat
     assert chosen.start_method == "spawn" and "CUDA is already initialised" in chosen.start_reason
     with pytest.raises(LaunchConfigError, match="start_method='fork' would break CUDA"):
         plan(start_method="fork")
-    assert plan(force_cpu=True).start_method == "fork"  # debug_launcher hides the GPUs
+    assert plan(cpu=True).start_method == "fork"  # debug_launcher hides the GPUs
 
 
 def test_gpus_are_counted_without_initialising_cuda():

@@ -6,7 +6,7 @@ import os
 import threading
 
 from nblaunch import wire
-from nblaunch.launch.supervising.lines import LineSplitter
+from nblaunch.launch.supervising.watched_rank import LineSplitter
 
 
 def test_frames_survive_any_chunking():

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import notebook_launcher
-from nblaunch.launch.starting import fdtable, payload
+from nblaunch.launch.starting import fdtable, packing
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfds")
 
@@ -79,7 +79,7 @@ def _write_through_a_view(whole, view):
 
 def test_views_of_one_tensor_stay_views_of_one_tensor_in_a_spawned_rank():
     whole = torch.zeros(1 << 20)
-    packed = payload.package((len, (whole, whole[1:], whole[2:])))
+    packed = packing.package((len, (whole, whole[1:], whole[2:])))
     try:
         assert len(packed.fds) == 1, "each view was copied on its own"
     finally:
@@ -90,12 +90,12 @@ def test_views_of_one_tensor_stay_views_of_one_tensor_in_a_spawned_rank():
 
 
 def test_the_payload_carries_references_not_the_bytes():
-    packed = payload.package((len, (torch.zeros(1 << 20), np.zeros(1 << 18))))
+    packed = packing.package((len, (torch.zeros(1 << 20), np.zeros(1 << 18))))
     try:
         assert len(packed.data) < 64 * 1024 and len(packed.fds) == 2
     finally:
         fdtable.close(packed.fds)
-    small = payload.package((len, (torch.zeros(16),)))
+    small = packing.package((len, (torch.zeros(16),)))
     assert small.fds == [] and len(small.data) < 64 * 1024
 
 

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from nblaunch import LaunchConfigError, notebook_launcher
-from nblaunch.launch.planning.xla import version_problem
+from nblaunch.launch.planning.tpu import version_problem
 
 
 def test_matching_versions_are_fine():

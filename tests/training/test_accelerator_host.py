@@ -6,7 +6,7 @@ import ast
 import pathlib
 
 import nblaunch.training
-from nblaunch.training.accelerator.collectives import CollectiveMethods
+from nblaunch.training.accelerator.communication import CollectiveMethods
 from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.accelerator.persistence import PersistenceMethods
 from nblaunch.training.accelerator.prepare import PrepareMethods

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nblaunch import notebook_launcher
-from nblaunch.display.state import LaunchView
+from nblaunch.display.view_state import LaunchView
 from nblaunch.events import Progress
 
 

@@ -145,4 +145,4 @@ def test_write_basic_config_writes_a_file_both_launchers_read(tmp_path):
 
     assert load_config_from_file(path).mixed_precision == "bf16"  # Accelerate reads it too
     with pytest.raises(ValueError, match="mixed_precision must be"):
-        ours.write_basic_config(mixed_precision="fp32", save_location=str(tmp_path / "other.json"))
+        ours.write_basic_config(mixed_precision="fp4", save_location=str(tmp_path / "other.json"))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import RankFailedError, wire
-from nblaunch.launch.starting import fdtable, payload
+from nblaunch.launch.starting import fdtable, packing
 from nblaunch.warm.ranks import WarmRanks
 
 
@@ -45,7 +45,7 @@ def total_of_all(tensors):
 def test_more_memfds_than_one_message_can_carry_arrive_whole():
     # 256 go by memfd (the cap), more than the kernel's 253 per message; the rest in the pickle.
     tensors = [torch.full((1 << 18,), float(i)) for i in range(260)]  # 1 MiB each
-    packed = payload.package(tensors)
+    packed = packing.package(tensors)
     try:
         assert len(packed.fds) == 256
     finally:

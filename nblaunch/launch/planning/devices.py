@@ -11,6 +11,8 @@ import os
 import sys
 from functools import lru_cache
 
+from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
+
 
 @lru_cache(maxsize=1)
 def _nvml_device_count() -> int:
@@ -31,7 +33,7 @@ def _nvml_device_count() -> int:
 
 def _visible_limit(physical: int) -> int:
     """Apply CUDA_VISIBLE_DEVICES as the CUDA runtime does: entries up to the first invalid one."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get(CUDA_VISIBLE_DEVICES)
     if visible is None:
         return physical
     count = 0

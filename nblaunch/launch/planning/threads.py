@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+from nblaunch.contract.variables import MKL_NUM_THREADS, OMP_NUM_THREADS
+
 # Variables a user sets to choose thread counts; if any is set, we leave threads alone.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_VARIABLES = (OMP_NUM_THREADS, MKL_NUM_THREADS)
 
 
 def usable_cores() -> int:

@@ -5,7 +5,7 @@ attempt, for every process of the launch. Example::
 
     starter = ForkStarter()
     environ = starter.environ_for_ranks(plan)          # on the caller's thread, once per launch
-    workers = starter.start(plan, train, (), environ)  # one WorkerProcess per rank (XLA: one host)
+    workers = starter.start(plan, environ)             # one WorkerProcess per rank (XLA: one host)
     ...
     starter.release()                                  # after the attempt, whatever happened
 """
@@ -32,9 +32,10 @@ class Starter(ABC):
         return {}
 
     @abstractmethod
-    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
-        """Start every process of one attempt; ``environ`` is added to each rank's variables. If
-        starting fails midway, what was started is stopped before the error is raised."""
+    def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
+        """Start every process of one attempt, each running ``plan.request``'s function;
+        ``environ`` is added to each rank's variables. If starting fails midway, what was started
+        is stopped before the error is raised."""
 
     def release(self) -> None:
         """Free what ``start`` held for the ranks (a spawn's shared memory); after every attempt."""

@@ -30,8 +30,9 @@ class ForkStarter(Starter):
         except Exception:  # an optimisation only: the ranks import it themselves if it fails here
             return {}
 
-    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
-        return start_each_rank(plan, environ, lambda settings: fork_rank(settings, function, args))
+    def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
+        request = plan.request
+        return start_each_rank(plan, environ, lambda settings: fork_rank(settings, request.function, request.args))
 
 
 def fork_rank(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:

@@ -25,7 +25,7 @@ from typing import Callable, NoReturn
 from nblaunch import proctree, wire
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.forking_thread import run_on_forking_thread
-from nblaunch.launch.starting.payload import Payload
+from nblaunch.launch.starting.packing import Payload
 
 # Python 3.12+ warns at every fork in a threaded process; a Jupyter kernel always has threads.
 # The child runs only our bootstrap and the user's function, the same bet torch.multiprocessing's

@@ -9,16 +9,19 @@ import pickle
 import subprocess
 import sys
 import threading
-from typing import Callable
 
-import nblaunch
 from nblaunch import wire
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.base import Starter, start_each_rank
-from nblaunch.launch.starting.payload import Payload, package
+from nblaunch.launch.starting.packing import Payload, package
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for
 from nblaunch.worker.bootstrap import WorkerSettings
+
+
+# The folder that holds the nblaunch package (three levels above this file): a spawned rank
+# imports this nblaunch, also where it is not installed (a clone on sys.path).
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 class SpawnStarter(Starter):
@@ -27,8 +30,8 @@ class SpawnStarter(Starter):
     def __init__(self) -> None:
         self._payload: Payload | None = None
 
-    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
-        payload = self._payload = package((function, args))
+    def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
+        payload = self._payload = package((plan.request.function, plan.request.args))
         return start_each_rank(plan, environ,
                                lambda settings: spawn_rank(settings, payload, dict(os.environ, **settings.environ)))
 
@@ -41,9 +44,8 @@ class SpawnStarter(Starter):
 def spawn_rank(settings: WorkerSettings, payload: Payload, environ: dict[str, str]) -> WorkerProcess:
     """Start one rank as a fresh interpreter that receives the function on its control socket."""
     pipes = Pipes.open()
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(nblaunch.__file__)))
     env = dict(environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     popen = subprocess.Popen(
         [sys.executable, "-m", "nblaunch.worker", str(pipes.control[0]), str(pipes.events[1]), str(os.getpid())],
         stdin=subprocess.DEVNULL,

@@ -4,7 +4,6 @@ chip) run one thread per device; every device is a rank with pipes of its own.""
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import cloudpickle
 
@@ -12,7 +11,7 @@ from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_process
 from nblaunch.preimport import import_for_ranks
-from nblaunch.worker.xla import RankEnds, run_host
+from nblaunch.worker.xla_ranks import RankEnds, run_host
 
 
 class XlaHostStarter(Starter):
@@ -22,10 +21,10 @@ class XlaHostStarter(Starter):
         # About 3 s per launch otherwise; importing does not start the XLA runtime.
         return import_for_ranks("torch_xla.distributed.xla_multiprocessing")
 
-    def start(self, plan: LaunchPlan, function: Callable, args: tuple, environ: dict[str, str]) -> list[WorkerProcess]:
+    def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         # torch_xla pickles the function for its process pool (even with fork): cloudpickle it
         # first, so a function defined in a notebook cell travels by value.
-        packed = cloudpickle.dumps((function, args))
+        packed = cloudpickle.dumps((plan.request.function, plan.request.args))
         assert plan.xla_environ is not None
         return [start_xla_host(dict(environ, **plan.xla_environ), packed, plan.num_processes)]
 

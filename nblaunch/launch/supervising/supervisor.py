@@ -9,6 +9,7 @@ run a Python handler; SIGKILL needs none), reap them all, close every pipe.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import selectors
@@ -20,14 +21,14 @@ from typing import Any, Callable
 from nblaunch import wire
 from nblaunch.events import (CallFinished, Event, Metrics, Output, Progress, RankFinished,
                              RankStarted, RankState, Stacks)
+from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
-                                    RankFailure, failure_from_exit, failure_from_report, root_cause_first)
-from nblaunch.launch.starting.payload import Payload
+                                    failure_from_exit)
+from nblaunch.launch.starting.packing import Payload
 from nblaunch.launch.starting.processes import WorkerProcess
-from nblaunch.launch.supervising.diagnosis import explain_peer_left
 from nblaunch.launch.supervising.interrupts import interrupts_wait
 from nblaunch.launch.supervising.quiet import QUIET_STACKS_S, QuietWatch
-from nblaunch.launch.supervising.watched import WatchedRank
+from nblaunch.launch.supervising.watched_rank import WatchedRank
 
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
@@ -250,12 +251,10 @@ class Supervisor:
             except Exception as error:
                 self._fail(rank, RankFailure(r, f"its return value could not be unpickled here: {error!r}"))
         elif kind == wire.ERROR:
-            report = pickle.loads(body)
-            failure = failure_from_report(r, report)
-            if rank.failure is not None and not rank.report_complete:
+            failure = dataclasses.replace(pickle.loads(body), rank=r)  # numbered by the pipe it came on
+            if rank.failure is not None and not rank.failure.complete:
                 rank.failure = failure  # the full report of the failure already known
-            self._fail(rank, failure, report["time"])
-            rank.report_complete = report["final"]
+            self._fail(rank, failure)
         elif kind == wire.METRICS:
             values, step = pickle.loads(body)
             self._emit(Metrics(rank=r, values=values, step=step))
@@ -279,12 +278,13 @@ class Supervisor:
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
 
-    def _fail(self, rank: WatchedRank, failure: RankFailure, when: float | None = None) -> None:
+    def _fail(self, rank: WatchedRank, failure: RankFailure) -> None:
         if self._stopping_on_request and failure.collateral:
             return  # see _stopping_on_request
         if rank.failure is None:
+            if failure.failed_at is None:  # found here, not reported by the rank
+                failure.failed_at = time.monotonic()
             rank.failure = failure
-            rank.failed_at = time.monotonic() if when is None else when
 
     # ----------------------------------------------------------------------------- exits
     def _on_exit(self, process: WorkerProcess) -> None:
@@ -311,7 +311,7 @@ class Supervisor:
             self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail)))
         failure = rank.failure
         failure.exitcode = code
-        if not rank.report_complete:
+        if not failure.complete:
             failure.reason += " (stopped before it could send its traceback)"
         detail = "\n".join(filter(None, [failure.reason, failure.traceback.rstrip(), failure.hint]))
         self._shown_failed.append(rank.number)
@@ -375,10 +375,6 @@ class Supervisor:
             self._wake_read = self._wake_write = -1
 
     def _failure_error(self, failures: list[WatchedRank]) -> RankFailedError:
-        in_time_order = sorted(failures, key=lambda r: r.failed_at)
-        ordered = root_cause_first([r.failure for r in in_time_order], self._shown_failed)
-        root = ordered[0]
+        in_time_order = sorted((r.failure for r in failures), key=lambda f: f.failed_at)
         finished = sorted(r.number for r in self._ranks.values() if r.has_result and r.failure is None)
-        if root.collateral and finished:  # nobody broke: someone left while others still waited
-            explain_peer_left(root, finished)
-        return RankFailedError(ordered, self.stacks)
+        return RankFailedError.blaming(in_time_order, self.stacks, self._shown_failed, finished)

@@ -29,13 +29,13 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from nblaunch.training.accelerator.collectives import CollectiveMethods
+from nblaunch.training.accelerator.communication import CollectiveMethods
 from nblaunch.training.accelerator.persistence import PersistenceMethods
 from nblaunch.training.accelerator.prepare import PrepareMethods
-from nblaunch.training.accelerator.tracking import TrackingMethods
+from nblaunch.training.accelerator.trackers import TrackingMethods
 from nblaunch.training.accelerator.training_step import TrainingStepMethods
 from nblaunch.training.model.placement import ReplacedParameters
-from nblaunch.training.model.precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
+from nblaunch.training.model.mixed_precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
 from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin, sharding_settings
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,

@@ -22,7 +22,7 @@ from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batch
 from nblaunch.training.model import placement
 from nblaunch.training.model.ddp import wrap_ddp
 from nblaunch.training.model.fsdp import is_sharded, shard_model, sharded_model_of
-from nblaunch.training.model.precision import AutocastForward
+from nblaunch.training.model.mixed_precision import AutocastForward
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 
 __all__ = ["PrepareMethods"]

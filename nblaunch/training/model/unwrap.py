@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.model.precision import AutocastForward
+from nblaunch.training.model.mixed_precision import AutocastForward
 
 __all__ = ["unwrap_model"]
 

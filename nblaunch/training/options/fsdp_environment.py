@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping
 
+from nblaunch.contract.variables import ACCELERATE_USE_FSDP, FSDP_VARIABLES
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 
-__all__ = ["fsdp_plugin_from_environment", "FSDP_VARIABLES", "flag_value"]
+__all__ = ["fsdp_plugin_from_environment", "flag_value"]
 
 _TRUE = ("1", "true", "yes", "y", "t", "on")
 _FALSE = ("0", "false", "no", "n", "f", "off")
@@ -52,29 +53,30 @@ def _text(name: str, text: str) -> str:
     return text
 
 
-# Each variable Accelerate's launcher sets, the plugin field it fills, and how its text is read.
-FSDP_VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    "FSDP_VERSION": ("fsdp_version", _whole_number),
-    "FSDP_SHARDING_STRATEGY": ("sharding_strategy", _text),
-    "FSDP_RESHARD_AFTER_FORWARD": ("reshard_after_forward", _text),
-    "FSDP_OFFLOAD_PARAMS": ("cpu_offload", flag_value),
-    "FSDP_MIN_NUM_PARAMS": ("min_num_params", _whole_number),
-    "FSDP_AUTO_WRAP_POLICY": ("auto_wrap_policy", _text),
-    "FSDP_TRANSFORMER_CLS_TO_WRAP": ("transformer_cls_names_to_wrap", _text),
-    "FSDP_BACKWARD_PREFETCH": ("backward_prefetch", _text),
-    "FSDP_STATE_DICT_TYPE": ("state_dict_type", _text),
-    "FSDP_FORWARD_PREFETCH": ("forward_prefetch", flag_value),
-    "FSDP_USE_ORIG_PARAMS": ("use_orig_params", flag_value),
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("cpu_ram_efficient_loading", flag_value),
-    "FSDP_SYNC_MODULE_STATES": ("sync_module_states", flag_value),
-    "FSDP_ACTIVATION_CHECKPOINTING": ("activation_checkpointing", flag_value),
-    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": ("activation_checkpointing_offload", flag_value),
-    "FSDP_IGNORED_MODULES": ("ignored_modules", _text),  # a regular expression over module names
+# Each of Accelerate's FSDP settings (its flag, and the key of a config file's fsdp_config), the
+# plugin field it fills, and how the text of its variable (contract.variables.FSDP_VARIABLES) is read.
+_SETTINGS: dict[str, tuple[str, Callable[[str, str], object]]] = {
+    "fsdp_version": ("fsdp_version", _whole_number),
+    "fsdp_sharding_strategy": ("sharding_strategy", _text),
+    "fsdp_reshard_after_forward": ("reshard_after_forward", _text),
+    "fsdp_offload_params": ("cpu_offload", flag_value),
+    "fsdp_min_num_params": ("min_num_params", _whole_number),
+    "fsdp_auto_wrap_policy": ("auto_wrap_policy", _text),
+    "fsdp_transformer_layer_cls_to_wrap": ("transformer_cls_names_to_wrap", _text),
+    "fsdp_backward_prefetch": ("backward_prefetch", _text),
+    "fsdp_state_dict_type": ("state_dict_type", _text),
+    "fsdp_forward_prefetch": ("forward_prefetch", flag_value),
+    "fsdp_use_orig_params": ("use_orig_params", flag_value),
+    "fsdp_cpu_ram_efficient_loading": ("cpu_ram_efficient_loading", flag_value),
+    "fsdp_sync_module_states": ("sync_module_states", flag_value),
+    "fsdp_activation_checkpointing": ("activation_checkpointing", flag_value),
+    "fsdp_activation_checkpointing_offload": ("activation_checkpointing_offload", flag_value),
+    "fsdp_ignored_modules": ("ignored_modules", _text),  # a regular expression over module names
 }
 
-# What nblaunch refuses, said for each way the variable is set (flag, config file key).
-_REFUSED_FLAGS = {
-    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "set it to false (--fsdp_activation_checkpointing_offload false) "
+# What nblaunch refuses, said for each way the setting is given (flag, config file key).
+_REFUSED = {
+    "fsdp_activation_checkpointing_offload": "set it to false (--fsdp_activation_checkpointing_offload false) "
                                              "and keep fsdp_activation_checkpointing",
 }
 
@@ -91,16 +93,16 @@ def fsdp_plugin_from_environment(environ: Mapping[str, str] | None = None) -> Fu
         # FullyShardedDataParallelPlugin(cpu_offload=True, ...)
     """
     environ = os.environ if environ is None else environ
-    if not flag_value("ACCELERATE_USE_FSDP", environ.get("ACCELERATE_USE_FSDP", "false")):
+    if not flag_value(ACCELERATE_USE_FSDP, environ.get(ACCELERATE_USE_FSDP, "false")):
         return None
     fields = {}
-    for name, (field, read) in FSDP_VARIABLES.items():
+    for key, (field, read) in _SETTINGS.items():
+        name = FSDP_VARIABLES[key]
         text = environ.get(name)
         if text is None or text == "":
             continue
         value = read(name, text)
-        if name in _REFUSED_FLAGS and value:
-            key = "fsdp_" + name[len("FSDP_"):].lower()  # its name in a config file's fsdp_config
-            raise NotImplementedError(f"{name}={text} ({key}) is not supported by nblaunch: {_REFUSED_FLAGS[name]}")
+        if key in _REFUSED and value:
+            raise NotImplementedError(f"{name}={text} ({key}) is not supported by nblaunch: {_REFUSED[key]}")
         fields[field] = value
     return FullyShardedDataParallelPlugin(**fields)

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
+from nblaunch.contract.precision import ListedEnum
+
 __all__ = [
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs", "AutocastKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "GradientAccumulationPlugin", "DDPCommunicationHookType",
-    "KwargsHandler", "ListedEnum", "PrecisionType", "RNGType", "adopt", "refuse_unsupported",
+    "KwargsHandler", "RNGType", "adopt", "refuse_unsupported",
 ]
 
 
@@ -33,23 +35,6 @@ class DDPCommunicationHookType(str, enum.Enum):
     BF16 = "bf16"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
-
-
-class ListedEnum(str, enum.Enum):
-    """An enum of strings with Accelerate's ``list()``: every value."""
-
-    @classmethod
-    def list(cls) -> list[str]:
-        return [member.value for member in cls]
-
-
-class PrecisionType(ListedEnum):
-    """``mixed_precision`` values, as Accelerate names them (nblaunch refuses FP8)."""
-
-    NO = "no"
-    FP8 = "fp8"
-    FP16 = "fp16"
-    BF16 = "bf16"
 
 
 class RNGType(ListedEnum):

@@ -13,13 +13,15 @@ from __future__ import annotations
 import enum
 import os
 
+from nblaunch.contract import variables as v
+
 __all__ = ["DistributedType", "LAUNCH_VARIABLES", "env_int", "launch_key", "forces_cpu", "xla_requested",
            "uses_xla", "debug_mode"]
 
 # The launch variables; a state built under other values (or in another pid) is stale.
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                    "MASTER_ADDR", "MASTER_PORT", "NBLAUNCH_FORCE_CPU")
-_FORCE_CPU_AT = 1 + LAUNCH_VARIABLES.index("NBLAUNCH_FORCE_CPU")  # in the key, after the pid
+LAUNCH_VARIABLES = (v.RANK, v.LOCAL_RANK, v.WORLD_SIZE, v.LOCAL_WORLD_SIZE, v.NODE_RANK, v.MASTER_ADDR, v.MASTER_PORT,
+                    v.FORCE_CPU)
+_FORCE_CPU_AT = 1 + LAUNCH_VARIABLES.index(v.FORCE_CPU)  # in the key, after the pid
 
 
 class DistributedType(str, enum.Enum):
@@ -59,9 +61,9 @@ def xla_requested() -> bool:
     torch_xla being installed is not enough, and ``PJRT_DEVICE=CPU`` alone is not a request.
     """
     environ = os.environ
-    return (environ.get("NBLAUNCH_XLA") == "1"
-            or environ.get("NBLAUNCH_DISTRIBUTED_TYPE", "").upper() == "XLA"
-            or environ.get("PJRT_DEVICE", "").upper() == "TPU")
+    return (environ.get(v.XLA_LAUNCH) == "1"
+            or environ.get(v.DISTRIBUTED_TYPE, "").upper() == "XLA"
+            or environ.get(v.PJRT_DEVICE, "").upper() == "TPU")
 
 
 def forces_cpu(key: tuple) -> bool:
@@ -75,7 +77,7 @@ def uses_xla(cpu: bool) -> bool:
         return False
     if not cpu:
         return True
-    if os.environ.get("NBLAUNCH_XLA") == "1":
+    if os.environ.get(v.XLA_LAUNCH) == "1":
         raise ValueError("cpu=True inside an XLA launch: every rank there is an XLA device. "
                          "Launch with start_method='fork' to train on the CPU.")
     return False  # asked for outside a launch: the CPU wins, as in Accelerate
@@ -83,4 +85,4 @@ def uses_xla(cpu: bool) -> bool:
 
 def debug_mode() -> bool:
     """Accelerate's ``ACCELERATE_DEBUG_MODE`` (nblaunch's collectives check shapes always)."""
-    return os.environ.get("ACCELERATE_DEBUG_MODE", "").strip().lower() in ("1", "true", "yes", "y", "on")
+    return os.environ.get(v.ACCELERATE_DEBUG_MODE, "").strip().lower() in ("1", "true", "yes", "y", "on")

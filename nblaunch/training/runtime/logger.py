@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any
 
+from nblaunch.contract.variables import ACCELERATE_LOG_LEVEL
 from nblaunch.training.runtime.state import PartialState
 
 __all__ = ["get_logger", "MultiProcessAdapter"]
@@ -45,7 +46,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
     """A logger whose calls take ``main_process_only`` (default True) and ``in_order``.
     ``log_level`` (or ``ACCELERATE_LOG_LEVEL``) sets the level of the underlying logger."""
-    level = log_level or os.environ.get("ACCELERATE_LOG_LEVEL")
+    level = log_level or os.environ.get(ACCELERATE_LOG_LEVEL)
     logger = logging.getLogger(name)
     if level is not None:
         logger.setLevel(level.upper())

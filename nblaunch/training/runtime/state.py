@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from nblaunch.contract import variables as v
+from nblaunch.contract.precision import precision_from_environ
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.environment import (DistributedType, debug_mode, env_int, forces_cpu, launch_key,
                                                    uses_xla)
@@ -142,15 +144,15 @@ class PartialState:
         if dist.is_available() and dist.is_initialized():
             # Adopt the group someone else made; local rank from the environment if given.
             rank, world = dist.get_rank(), dist.get_world_size()
-            local_world = env_int("LOCAL_WORLD_SIZE", world)
-            local_rank = env_int("LOCAL_RANK", rank % max(local_world, 1))
+            local_world = env_int(v.LOCAL_WORLD_SIZE, world)
+            local_rank = env_int(v.LOCAL_RANK, rank % max(local_world, 1))
             s["backend"] = dist.get_backend()
             use_cuda = use_cuda and s["backend"] != "gloo"
         else:
-            world = env_int("WORLD_SIZE", 1)
-            rank = env_int("RANK", 0)
-            local_rank = env_int("LOCAL_RANK", rank)
-            local_world = env_int("LOCAL_WORLD_SIZE", world)
+            world = env_int(v.WORLD_SIZE, 1)
+            rank = env_int(v.RANK, 0)
+            local_rank = env_int(v.LOCAL_RANK, rank)
+            local_world = env_int(v.LOCAL_WORLD_SIZE, world)
             s["backend"] = None
             if world > 1:
                 backend = backend or ("nccl" if use_cuda else "gloo")
@@ -309,8 +311,7 @@ class AcceleratorState(PartialState):
 
     @property
     def mixed_precision(self) -> str:
-        value = os.environ.get("NBLAUNCH_MIXED_PRECISION") or os.environ.get("ACCELERATE_MIXED_PRECISION")
-        return (value or "no").lower()
+        return precision_from_environ()
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:

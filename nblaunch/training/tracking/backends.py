@@ -16,7 +16,7 @@ import os
 import warnings
 from typing import Any
 
-from nblaunch.training.tracking.base import GeneralTracker, plain_values
+from nblaunch.training.tracking.general_tracker import GeneralTracker, plain_values
 
 __all__ = ["TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker", "BUILT_IN"]
 

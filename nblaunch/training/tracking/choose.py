@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 from nblaunch.training.tracking.backends import BUILT_IN
-from nblaunch.training.tracking.base import LoggerType
+from nblaunch.training.tracking.general_tracker import LoggerType
 
 __all__ = ["choose_trackers", "is_tracker_object", "available_trackers"]
 

@@ -2,7 +2,7 @@
 
 A supervisor of their own (``nblaunch.detached``) keeps an ordinary :class:`WarmRanks` up, with
 its process group and everything earlier calls stored in the ranks, and serves calls on a
-private socket (:mod:`nblaunch.detached.channel`). :class:`DetachedWarmRanks` is the kernel's
+private socket (:mod:`nblaunch.detached.call_socket`). :class:`DetachedWarmRanks` is the kernel's
 side, with ``WarmRanks``' surface: each call goes to the supervisor, its events come back to a
 display made in the calling cell, its results or error come back as the call's. Ctrl-C in the
 kernel interrupts the call there as it would here (the ranks are stopped, and the next call
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from nblaunch.detached import channel, store
+from nblaunch.detached import call_socket, store
 from nblaunch.detached.jobs import start_supervisor
 from nblaunch.display import make_display
 from nblaunch.events import Display
@@ -46,8 +46,8 @@ class Relay:
     def on_event(self, event: Any) -> None:
         if self.connected:
             try:
-                channel.send(self.connection, ("event", event))
-            except channel.ChannelClosed:
+                call_socket.send(self.connection, ("event", event))
+            except call_socket.ChannelClosed:
                 self.connected = False
 
     def close(self) -> None:
@@ -66,10 +66,9 @@ class DetachedWarmRanks:
 
     @classmethod
     def start(cls, job: Any, num_processes: int, display: str | Display) -> "DetachedWarmRanks":
-        """Start ``job`` (the pool's side, checked already) under a supervisor of its own."""
-        options = {k: v for k, v in job.options.items() if k in ("start_method", "cpu", "mixed_precision")}
-        folder = start_supervisor(job, kind="pool", function="warm ranks", num_processes=num_processes,
-                                  options=options)
+        """Start ``job`` (the pool's side, ``warm/ranks.PoolJob``, its request checked already)
+        under a supervisor of its own."""
+        folder = start_supervisor(job, kind="pool", function="warm ranks", num_processes=num_processes)
         return cls(folder, display)
 
     @classmethod
@@ -90,10 +89,9 @@ class DetachedWarmRanks:
         return self._state()["num_processes"]
 
     @property
-    def shape(self) -> tuple:
-        """How the ranks were started, as ``%%distributed`` compares it: (spawn, nodes, cluster, cpu)."""
-        options = self._state().get("options", {})
-        return (options.get("start_method") == "spawn", 1, None, bool(options.get("cpu")))
+    def request(self) -> Any:
+        """The pool's ``LaunchRequest``, as the kernel that started it made it."""
+        return store.read_job(self.folder).request
 
     @property
     def alive(self) -> bool:
@@ -116,9 +114,9 @@ class DetachedWarmRanks:
         connection = self._when_ready()
         shown = make_display(self._display if display is None else display, self.num_processes)
         try:
-            channel.send(connection, ("run", function, args, timeout))
+            call_socket.send(connection, ("run", function, args, timeout))
             kind, value = self._answer(connection, shown)
-        except channel.ChannelClosed:
+        except call_socket.ChannelClosed:
             raise RuntimeError(f"the supervisor of the detached warm ranks {self.launch_id} went away during the "
                                f"call: see {os.path.join(self.folder, 'supervisor.log')}") from None
         finally:
@@ -136,7 +134,7 @@ class DetachedWarmRanks:
         try:
             while True:
                 try:
-                    channel.receive(connection)  # ("ready",)
+                    call_socket.receive(connection)  # ("ready",)
                     break
                 except TimeoutError:
                     print(f"nblaunch: waiting for another kernel's call on the detached warm ranks "
@@ -152,8 +150,8 @@ class DetachedWarmRanks:
         deadline = time.monotonic() + 30  # a backstop: the supervisor listens within a second of starting
         while True:
             try:
-                return channel.connect(self.launch_id)
-            except channel.ChannelClosed:
+                return call_socket.connect(self.launch_id)
+            except call_socket.ChannelClosed:
                 if time.monotonic() > deadline or not self.alive:
                     raise
                 time.sleep(0.05)
@@ -164,7 +162,7 @@ class DetachedWarmRanks:
         interrupted = False
         while True:
             try:
-                message = channel.receive(connection)
+                message = call_socket.receive(connection)
             except KeyboardInterrupt:
                 if interrupted:
                     raise  # a second Ctrl-C: stop waiting (the supervisor goes on stopping the call)
@@ -184,8 +182,8 @@ class DetachedWarmRanks:
         self._closed = True
         connection = self._when_ready()
         with connection:
-            channel.send(connection, ("close",))
-            channel.receive(connection)
+            call_socket.send(connection, ("close",))
+            call_socket.receive(connection)
 
     def __enter__(self) -> "DetachedWarmRanks":
         return self

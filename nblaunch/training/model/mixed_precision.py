@@ -1,8 +1,9 @@
 """Mixed precision: which mode, the autocast context, the model-forward wrapper, the GradScaler.
 
-Modes are ``"no"``, ``"fp16"`` and ``"bf16"``. ``mixed_precision=None`` reads
-``NBLAUNCH_MIXED_PRECISION`` (set by the launcher from its own ``mixed_precision=``), so the
-launcher's choice reaches every worker; an explicit argument wins.
+Modes are ``"no"``, ``"fp16"`` and ``"bf16"``, read with the vocabulary every side shares
+(``nblaunch.contract.precision``). ``mixed_precision=None`` reads ``NBLAUNCH_MIXED_PRECISION``
+(set by the launcher from its own ``mixed_precision=``), so the launcher's choice reaches every
+worker; an explicit argument wins.
 
 fp16 works for real on the CPU too (CPU autocast to float16 and ``torch.amp.GradScaler("cpu")``),
 it is never silently ignored. fp8 is refused with a clear error, and so is fp16 on XLA devices
@@ -11,34 +12,25 @@ it is never silently ignored. fp8 is refused with a clear error, and so is fp16 
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
+from nblaunch.contract.precision import parse_precision, precision_from_environ
 from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["resolve_mixed_precision", "autocast_dtype", "AutocastForward", "convert_outputs_to_fp32",
            "make_grad_scaler"]
 
-_MODES = ("no", "fp16", "bf16")
-_ALIASES = {"none": "no", "fp32": "no", "": "no", "float16": "fp16", "half": "fp16",
-            "bfloat16": "bf16"}
-
-
 def resolve_mixed_precision(value: str | None) -> str:
-    """The mode to use: ``value`` if given, else ``NBLAUNCH_MIXED_PRECISION``, else ``"no"``."""
-    source = "mixed_precision"
-    if value is None:
-        value = os.environ.get("NBLAUNCH_MIXED_PRECISION", "no")
-        source = "NBLAUNCH_MIXED_PRECISION"
-    mode = str(value).strip().lower()
-    mode = _ALIASES.get(mode, mode)
+    """The mode to use: ``value`` if given, else the launch's (``NBLAUNCH_MIXED_PRECISION``),
+    else ``"no"``. An unknown word is a ``ValueError``; fp8, a word this Accelerator cannot run,
+    is a ``NotImplementedError`` that says what to use."""
+    mode = precision_from_environ() if value is None else parse_precision(value)
     if mode == "fp8":
         raise NotImplementedError(
-            f"{source}='fp8' is not supported by nblaunch.training; use 'bf16' or 'fp16'.")
-    if mode not in _MODES:
-        raise ValueError(f"{source} must be one of {', '.join(_MODES)}, got {value!r}")
+            "mixed_precision='fp8' is not supported by nblaunch's Accelerator; use 'bf16' or 'fp16' (or "
+            "Accelerate's own Accelerator with an fp8 backend).")
     return mode
 
 

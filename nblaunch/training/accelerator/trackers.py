@@ -19,7 +19,7 @@ from typing import Any
 
 from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.tracking.backends import BUILT_IN
-from nblaunch.training.tracking.base import GeneralTracker, chartable
+from nblaunch.training.tracking.general_tracker import GeneralTracker, chartable
 from nblaunch.worker import channel
 
 __all__ = ["TrackingMethods"]

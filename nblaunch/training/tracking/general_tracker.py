@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nblaunch.training.options.kwargs import ListedEnum
+from nblaunch.contract.precision import ListedEnum
 
 __all__ = ["GeneralTracker", "LoggerType", "plain_values", "chartable"]
 

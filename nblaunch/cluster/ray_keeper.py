@@ -4,13 +4,13 @@ A detached Ray actor, :class:`LaunchKeeper`, in nblaunch's namespace ``nblaunch-
 runs the launch as a driver would (the same ``Launch`` with the Ray home: a placement group, an
 agent per node, the agents owned by the keeper, so a driver's exit does not reach them) and keeps
 its events and outcome. :class:`KeptOnRay` is its place for
-:class:`~nblaunch.detached.handle.DetachedLaunch`: any driver connected to the cluster lists it,
+:class:`~nblaunch.detached.detached_launch.DetachedLaunch`: any driver connected to the cluster lists it,
 watches it, collects its outcome (the keeper then leaves) or cancels it. A Ray cluster has no
 users: whoever can connect to it can see its launches.
 
 Example::
 
-    place = start_on_ray(request)          # in the kernel: returns at once
+    place = RayHome(request).keep()        # in the kernel: start_on_ray, returns at once
     kept_on_ray()                          # from any driver connected to the cluster
 """
 
@@ -26,11 +26,10 @@ from typing import Any
 
 import cloudpickle
 
-from nblaunch.cluster import placement
-from nblaunch.cluster.ray_home import plan_ray_launch
+from nblaunch.cluster import ray_placement
 from nblaunch.events import Event
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.planning.plan import LaunchRequest
+from nblaunch.launch.planning.request import LaunchRequest
 
 __all__ = ["LaunchKeeper", "KeptOnRay", "start_on_ray", "kept_on_ray", "NAMESPACE"]
 
@@ -43,7 +42,7 @@ _KEEPER_CONCURRENCY = 8  # watchers' long polls, a cancel, a stack request at on
 class LaunchKeeper:
     """Runs one launch for whoever connects later. Used as a detached Ray actor (``start_on_ray``)."""
 
-    def __init__(self, launch_id: str, request: bytes, driver_path: list[str], info: dict[str, Any]) -> None:
+    def __init__(self, launch_id: str, packed: bytes, driver_path: list[str], info: dict[str, Any]) -> None:
         sys.path[:0] = [p for p in driver_path if p not in sys.path]  # the driver's modules, by name
         self._info = dict(info, id=launch_id, status="starting", started=time.time())
         self._first: list[bytes] = []  # events 0 .. _FIRST_KEPT - 1
@@ -52,13 +51,12 @@ class LaunchKeeper:
         self._changed = threading.Condition()
         self._outcome: bytes | None = None
         self._launch: Any = None
-        threading.Thread(target=self._run, args=(request,), daemon=True, name="nblaunch-keeper").start()
+        threading.Thread(target=self._run, args=(packed,), daemon=True, name="nblaunch-keeper").start()
 
-    def _run(self, request_blob: bytes) -> None:
+    def _run(self, packed: bytes) -> None:
         try:
-            request: LaunchRequest = cloudpickle.loads(request_blob)
-            plan, home = plan_ray_launch(request)
-            self._launch = Launch(plan, request.function, request.args, request.timeout, self, home=home)
+            home_class, request = cloudpickle.loads(packed)  # the Ray home, handed over by its keep()
+            self._launch = Launch(home_class(dataclasses.replace(request, display=self)))
             self._info.update(status="running", log_dir=self._launch.log_dir)
             outcome: tuple = ("ok", self._launch.run())
         except BaseException as error:
@@ -188,16 +186,17 @@ class KeptOnRay:
                 f"on the Ray nodes, under {self._last_state.get('log_dir') or 'each node’s nblaunch log folder'}")
 
 
-def start_on_ray(request: LaunchRequest, world_size: int) -> KeptOnRay:
+def start_on_ray(home_class: type, request: LaunchRequest, world_size: int) -> KeptOnRay:
     """Start ``request`` (checked already) under a detached keeper on the cluster this process is
-    connected to; returns at once."""
-    ray, _ = placement.connect()
+    connected to, which runs it with ``home_class`` (the Ray home); returns at once."""
+    ray, _ = ray_placement.connect()
     launch_id = uuid.uuid4().hex[:12]
     info = {"function": request.function_name, "num_processes": world_size, "kind": "launch"}
+    packed = cloudpickle.dumps((home_class, dataclasses.replace(request, display="none")))
     keeper = ray.remote(LaunchKeeper).options(
         name=f"launch-{launch_id}", namespace=NAMESPACE, lifetime="detached", num_cpus=0,
         max_concurrency=_KEEPER_CONCURRENCY,
-    ).remote(launch_id, cloudpickle.dumps(dataclasses.replace(request, display="none")), list(sys.path), info)
+    ).remote(launch_id, packed, list(sys.path), info)
     return KeptOnRay(ray, keeper, launch_id)
 
 

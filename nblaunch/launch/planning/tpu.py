@@ -1,4 +1,4 @@
-"""XLA (TPU) launches: is this a TPU host, is torch_xla usable, how many local devices.
+"""TPU hosts, for XLA launches: is this one, is torch_xla usable, how many local devices.
 
 Everything here runs before any process starts and never initialises the XLA runtime: a
 runtime initialised in the launcher breaks every later ``xmp.spawn``.
@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 
+from nblaunch.contract import variables as v
 from nblaunch.launch.errors import LaunchConfigError
 
 _STRONG_TPU_VARIABLES = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID")
@@ -21,7 +22,7 @@ _STRONG_TPU_VARIABLES = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "
 def tpu_markers() -> list[str]:
     """What says this machine has TPUs, without touching them (empty on other machines)."""
     found = [name for name in _STRONG_TPU_VARIABLES if os.environ.get(name)]
-    if os.environ.get("PJRT_DEVICE", "").upper().startswith("TPU"):
+    if os.environ.get(v.PJRT_DEVICE, "").upper().startswith("TPU"):
         found.append("PJRT_DEVICE=TPU")
     return found + list(_tpu_device_files())
 
@@ -90,14 +91,14 @@ def local_device_count(requested: int | None) -> tuple[int, dict[str, str]]:
     On TPU every local device takes part (``xmp.spawn`` cannot use a subset); on the CPU
     (``PJRT_DEVICE=CPU``, for tests) ``CPU_NUM_DEVICES`` threads, set from ``num_processes``.
     """
-    device = os.environ.get("PJRT_DEVICE", "").upper()
+    device = os.environ.get(v.PJRT_DEVICE, "").upper()
     if device == "CPU":
-        count = int(os.environ.get("CPU_NUM_DEVICES", requested or 1))
+        count = int(os.environ.get(v.CPU_NUM_DEVICES, requested or 1))
         if requested is not None and requested != count:
             raise LaunchConfigError(
                 f"num_processes={requested} but CPU_NUM_DEVICES={count}: pass num_processes={count} or None"
             )
-        return count, {"CPU_NUM_DEVICES": str(count)}
+        return count, {v.CPU_NUM_DEVICES: str(count)}
     from torch_xla._internal import tpu  # reads PCI ids and metadata; does not start the runtime
 
     count = tpu.num_local_processes() * tpu.num_logical_cores_per_chip()
@@ -111,4 +112,4 @@ def local_device_count(requested: int | None) -> tuple[int, dict[str, str]]:
             f"on TPU every local device takes part: this host has {count}; pass num_processes=None "
             f"(or {count})."
         )
-    return count, {"PJRT_DEVICE": os.environ.get("PJRT_DEVICE") or "TPU"}
+    return count, {v.PJRT_DEVICE: os.environ.get(v.PJRT_DEVICE) or "TPU"}

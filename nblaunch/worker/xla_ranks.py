@@ -24,6 +24,7 @@ from typing import NoReturn
 
 import cloudpickle
 
+from nblaunch.contract.failure import Phase
 from nblaunch.worker import bootstrap, channel, lifeline, reports
 from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.reports import RankGuard
@@ -85,10 +86,10 @@ def run_host(
         # A failure before xmp.spawn is reported as the first rank's.
         with RankGuard(first.events, first.stderr) as guard:
             bootstrap.settle_forked_child(parent_pid)
-            guard.step = reports.ATTACHING
+            guard.phase = Phase.ATTACHING
             attach_streams(os.dup(first.stdout), os.dup(first.stderr))
             guard.stderr_fd = 2
-            guard.step = reports.SETTING_UP
+            guard.phase = Phase.SETTING_UP
             os.environ.update(environ)
             lifeline.set_process_name("host")
             lifeline.become_subreaper()
@@ -131,8 +132,8 @@ class DeviceEntry:
         try:
             function, args = cloudpickle.loads(self.packed_function)
         except BaseException as error:
-            reason = f"{reports.LOADING}: {reports.describe(error)}"
-            reports.send_failure(error, reason, hint=reports.hint_for(reports.LOADING))
+            reason = f"{Phase.LOADING.value}: {reports.describe(error)}"
+            reports.send_failure(error, reason, phase=Phase.LOADING, hint=reports.hint_for(Phase.LOADING))
             return
         bootstrap.serve(function, args, ControlSocket(ends.control), ends.events)
         flush_streams()

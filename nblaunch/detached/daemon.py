@@ -1,4 +1,4 @@
-"""The supervisor of a detached job: ``python -m nblaunch.detached.supervisor FOLDER``.
+"""The supervisor of a detached job: ``python -m nblaunch.detached.daemon FOLDER``.
 
 Started by the kernel, it forks once and the first process exits, so the supervisor is nobody's
 child in the kernel's process tree and lives in a session of its own: a kernel's exit, restart or
@@ -15,8 +15,6 @@ import os
 import signal
 import sys
 import threading
-
-import cloudpickle
 
 from nblaunch import proctree
 from nblaunch.detached import store
@@ -55,8 +53,7 @@ def _load_job(folder: str):
         where = json.load(file)
     os.chdir(where["cwd"])
     sys.path[:] = where["sys_path"]
-    with open(os.path.join(folder, "request.pkl"), "rb") as file:
-        return cloudpickle.loads(file.read())
+    return store.read_job(folder)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Where a detached launch is kept, as :class:`~nblaunch.detached.handle.DetachedLaunch` sees it:
+"""Where a detached launch is kept, as :class:`~nblaunch.detached.detached_launch.DetachedLaunch` sees it:
 the one seam between the handle (watch, result, cancel, the same for every place) and a place.
 
 :class:`KeptLaunch` is the interface; :class:`KeptInAFolder` is a launch whose supervisor runs on
-this machine (``nblaunch.detached.supervisor``, the folder of ``store``); a launch kept by a
-detached actor of a Ray cluster is ``nblaunch.cluster.kept.KeptOnRay``.
+this machine (``nblaunch.detached.daemon``, the folder of ``store``); a launch kept by a
+detached actor of a Ray cluster is ``nblaunch.cluster.ray_keeper.KeptOnRay``.
 
 Example::
 

@@ -1,8 +1,35 @@
-"""Cutting a rank's byte stream into whole lines."""
+"""What the supervisor keeps for one rank while it watches it: its pipes and process, what it
+sent so far, how it ended (:class:`WatchedRank`), and its output cut into lines
+(:class:`LineSplitter`)."""
 
 from __future__ import annotations
 
 import re
+from collections import deque
+from typing import Any
+
+from nblaunch import wire
+from nblaunch.contract.failure import RankFailure
+from nblaunch.launch.starting.processes import RankPipes, WorkerProcess
+
+LOG_TAIL = 20  # lines kept to explain a rank that died without a report
+
+
+class WatchedRank:
+    """One rank's pipes, its process, what it sent so far and how it ended."""
+
+    def __init__(self, pipes: RankPipes, process: WorkerProcess):
+        self.pipes = pipes
+        self.process = process
+        self.number = pipes.rank
+        self.frames = wire.FrameReader()
+        self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL)
+        self.has_result = False
+        self.result: Any = None
+        self.failure: RankFailure | None = None  # its failed_at orders a launch's failures
+        self.finished = False
+
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 

@@ -1,0 +1,68 @@
+"""``mixed_precision``'s one vocabulary, for every side that reads it: ``notebook_launcher``,
+``nblaunch launch`` and Accelerate config files, ``WarmRanks``, the ``Accelerator`` and
+``AcceleratorState`` in the ranks. They accept and refuse the same words.
+
+The words are Accelerate's (``PrecisionType``: no, fp8, fp16, bf16), in any case, and a few
+spellings people type for them (``bfloat16``, ``float16``, ``half``, ``fp32``, ``none``).
+Whether a word can *run* is another matter, decided where it runs: nblaunch's own
+``Accelerator`` has no fp8 (Accelerate's does, on GPUs with an fp8 backend), and TPUs have no fp16.
+
+Example::
+
+    >>> parse_precision("BFloat16")
+    'bf16'
+    >>> precision_from_environ({"NBLAUNCH_MIXED_PRECISION": "fp16"})
+    'fp16'
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any, Mapping
+
+from nblaunch.contract.variables import ACCELERATE_MIXED_PRECISION, MIXED_PRECISION
+
+__all__ = ["ListedEnum", "PrecisionType", "PRECISIONS", "parse_precision", "precision_from_environ"]
+
+
+class ListedEnum(str, enum.Enum):
+    """An enum of strings with Accelerate's ``list()``: every value."""
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [member.value for member in cls]
+
+
+class PrecisionType(ListedEnum):
+    """``mixed_precision`` values, as Accelerate names them (nblaunch's Accelerator refuses FP8)."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+# Every word, in the order messages list them.
+PRECISIONS = (PrecisionType.NO.value, PrecisionType.FP16.value, PrecisionType.BF16.value, PrecisionType.FP8.value)
+_ALIASES = {"none": "no", "fp32": "no", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+
+def parse_precision(value: Any, source: str = "mixed_precision") -> str:
+    """``value`` as one of ``PRECISIONS``; ``ValueError`` naming ``source`` and the choices for
+    any other word (Accelerate's ``PrecisionType`` members are words too)."""
+    word = _ALIASES.get(value.strip().lower(), value.strip().lower()) if isinstance(value, str) else None
+    if word not in PRECISIONS:
+        raise ValueError(f"{source} must be one of {', '.join(PRECISIONS)} (or bfloat16, float16, half, fp32, "
+                         f"none), got {value!r}")
+    return word
+
+
+def precision_from_environ(environ: Mapping[str, str] | None = None) -> str:
+    """The launch's mixed precision as a rank sees it: ``NBLAUNCH_MIXED_PRECISION``, else
+    Accelerate's ``ACCELERATE_MIXED_PRECISION`` (set by its launchers), else ``"no"``."""
+    environ = os.environ if environ is None else environ
+    for name in (MIXED_PRECISION, ACCELERATE_MIXED_PRECISION):
+        if environ.get(name):
+            return parse_precision(environ[name], source=name)
+    return "no"

@@ -1,0 +1,143 @@
+"""This machine as a home: ranks are processes here (fork, spawn, or the XLA host), watched by
+the :class:`~nblaunch.launch.supervising.supervisor.Supervisor`; a detached launch is kept by a
+supervisor process of its own here (:class:`LaunchJob`, in a folder of ``detached/store``).
+
+Example::
+
+    home = LocalHome(LaunchRequest(train, num_processes=2))   # checked and planned
+    Launch(home).run()                                        # [result of rank 0, rank 1]
+    DetachedLaunch(LocalHome(request).keep())                 # or: outliving the kernel
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, ClassVar, Iterator
+
+from nblaunch import proctree
+from nblaunch.contract.variables import LAUNCH_ID
+from nblaunch.detached import store
+from nblaunch.detached.jobs import start_supervisor
+from nblaunch.detached.journal import JournalWriter
+from nblaunch.detached.kept_launch import KeptInAFolder, KeptLaunch
+from nblaunch.events import Event
+from nblaunch.launch import registry
+from nblaunch.launch.handle import Launch
+from nblaunch.launch.planning import pickling
+from nblaunch.launch.planning.plan import LaunchPlan, plan_here
+from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.starting.base import Starter, kill_and_reap
+from nblaunch.launch.starting.fork import ForkStarter
+from nblaunch.launch.starting.packing import Payload, package
+from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.starting.spawn import SpawnStarter
+from nblaunch.launch.supervising.supervisor import Supervisor
+
+def _xla_host_starter() -> Starter:
+    # Deferred: TPU hosts only; it loads the XLA host's worker code, which no other launch needs.
+    from nblaunch.launch.starting.xla_host import XlaHostStarter
+
+    return XlaHostStarter()
+
+
+_STARTERS: dict[str, Callable[[], Starter]] = {"fork": ForkStarter, "spawn": SpawnStarter, "xla": _xla_host_starter}
+
+
+class LocalHome:
+    """Ranks as processes of this machine (see the module's docstring)."""
+
+    starts_every_node: ClassVar[bool] = False  # several machines: each runs the same call
+    keeps_warm_ranks: ClassVar[bool] = True
+
+    def __init__(self, request: LaunchRequest) -> None:
+        self.plan: LaunchPlan = plan_here(request)
+        pickling.check_picklable(request.function, request.args)  # names the culprit, before anything starts
+        self._launch_id = ""
+        self._inherited: dict[str, str] = {}
+        self._starter: Starter = _STARTERS[self.plan.start_method]()
+
+    def prepare(self, launch_id: str) -> None:
+        # On the caller's thread: the imports for the ranks touch os.environ, which a launch
+        # thread must never do, and may fail before anything is open or shown. Every process
+        # of the launch inherits the tag, whatever session it makes for itself.
+        self._launch_id = launch_id
+        self._inherited = dict(self._starter.environ_for_ranks(self.plan), **{LAUNCH_ID: launch_id})
+        for message in registry.stop_stale_ranks():
+            print(f"nblaunch: {message}", file=sys.stderr)
+
+    def package(self, value: Any) -> Payload:
+        return package(value)  # big tensors and arrays in memfds the ranks map
+
+    @contextlib.contextmanager
+    def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
+                log_dir: str) -> Iterator[Supervisor]:
+        record = None
+        workers: list[WorkerProcess] = []
+        supervisor: Supervisor | None = None
+        try:
+            workers = self._starter.start(plan, self._inherited)
+            record = registry.LaunchRecord(
+                launch_id=self._launch_id, launcher_pid=os.getpid(), port=plan.master_port,
+                ranks=[(w.pid, proctree.start_ticks(w.pid)) for w in workers], log_dir=log_dir,
+                pipes=[end for w in workers for end in w.rank_pipe_ends()],
+            )
+            record.save()
+            supervisor = Supervisor(workers, emit, time_left)
+            yield supervisor
+        except BaseException:
+            kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
+            raise
+        finally:
+            self._starter.release()
+            if workers and not (supervisor is not None and supervisor.ended_cleanly):
+                # A rank that was killed could not stop what it had started: find it by its marks.
+                if record is not None:
+                    record.kill_marked()
+                else:  # interrupted before its record was made: the environment mark alone
+                    proctree.kill_marked(self._launch_id, set(), None)
+            if record is not None:
+                record.remove()
+
+    def keep(self) -> KeptLaunch:
+        request = self.plan.request
+        folder = start_supervisor(LaunchJob(dataclasses.replace(request, display="none")), kind="launch",
+                                  function=request.function_name, num_processes=self.plan.num_processes)
+        return KeptInAFolder(folder)
+
+    @staticmethod
+    def kept(kinds: tuple[str, ...]) -> list[KeptLaunch]:
+        return [KeptInAFolder(folder) for kind in kinds for folder in store.launch_folders(kind=kind)]
+
+
+@dataclasses.dataclass
+class LaunchJob:
+    """A detached launch, as its supervisor runs it: the same ``Launch`` as an attached one,
+    planned again there (the supervisor never touched CUDA, so its ranks fork), with the journal
+    as its display. SIGTERM cancels it, SIGUSR1 asks every rank for its stack."""
+
+    request: LaunchRequest
+
+    def run(self, folder: str, stop_requested: threading.Event) -> None:
+        try:
+            journal = JournalWriter(os.path.join(folder, "journal"))
+            launch = Launch(LocalHome(dataclasses.replace(self.request, display=journal)))
+        except BaseException as error:
+            store.finish(folder, "failed", ("error", error))
+            raise
+        store.write_state(folder, log_dir=launch.log_dir, status="running")
+        signal.signal(signal.SIGTERM, lambda *_: launch.cancel())
+        signal.signal(signal.SIGUSR1, lambda *_: launch.request_stacks())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no terminal: an interrupt is not this user's wish
+        if stop_requested.is_set():  # cancelled while it was being set up
+            launch.cancel()
+        launch.start(stop_at_exit=False)
+        try:  # the main thread's wait is interrupted by the signals, whose handlers run here
+            outcome = ("ok", launch.result())
+        except BaseException as error:
+            outcome = ("error", error)
+        store.finish(folder, launch.status, outcome)
