@@ -64,78 +64,71 @@ def launched(cell) -> tuple[float, str, str]:
     return seconds, device, shown
 
 
-@pytest.fixture(scope="module")
-def touched(tmp_path_factory):
-    return run_notebook(tmp_path_factory.mktemp("touched"), [
-        ON_THE_GPU,
-        "import torch\ntorch.zeros(1, device='cuda')\n" + CUDA_STATE,
-        "results = launch_and_time()",
-        "launch_and_time(start_method='fork')",
-        "%load_ext nblaunch",
-        # The last value: backend, device, a process of its own, started by spawn (python -m nblaunch.worker).
-        "%%distributed -n 1\nimport os, sys, torch, torch.distributed as dist\n"
-        "(dist.get_backend(), str(torch.ones(1, device='cuda').device), os.getpid() != KERNEL_PID, "
-        "'nblaunch' in sys.argv[0])",
-        "%%distributed\nt = torch.full((2,), 3.0, device='cuda')\ndist.all_reduce(t)\nt.tolist()",
-        "%distributed stop",
-    ])
-
-
-def test_a_kernel_that_made_a_cuda_tensor_spawns_and_says_so_in_one_line(touched, record_property):
-    assert "CUDA_STATE True True" in everything_shown(touched[1])
-    seconds, device, shown = launched(touched[2])
-    assert device == "cuda:0"
-    assert len(SPAWN_LINE.findall(shown)) == 1, shown
-    record_property("launch_seconds_spawn_cuda_initialised", seconds)
-
-
-def test_asking_for_fork_after_cuda_is_refused_before_anything_starts(touched):
-    shown = everything_shown(touched[3])
-    assert "LaunchConfigError" in shown and "start_method='fork' would break CUDA" in shown, shown
-    assert "RESULTS" not in shown and "[rank 0]" not in shown
-
-
-def test_distributed_magic_after_cuda_spawns_one_nccl_rank_on_the_gpu(touched):
-    # The magic shows the widget, whose header carries the reason; nbclient keeps only its static
-    # summary, so the start method is read in the rank (a spawned rank runs nblaunch.worker).
-    first = everything_shown(touched[5])
-    assert "initialization error" not in first, first
-    assert "[('nccl', 'cuda:0', True, True)]" in first, first
-    assert "[[3.0, 3.0]]" in everything_shown(touched[6]), everything_shown(touched[6])
-
-
-@pytest.fixture(scope="module")
-def only_asked(tmp_path_factory):
-    return run_notebook(tmp_path_factory.mktemp("asked"), [
-        ON_THE_GPU,
-        "import torch\nprint('AVAILABLE', torch.cuda.is_available())\n" + CUDA_STATE,
-        "results = launch_and_time()",
-    ])
-
-
-def test_a_kernel_that_only_asked_is_available_still_launches_onto_the_gpu(only_asked, record_property):
+# Each kernel state: the cell that sets it up, what that cell shows, and how the launch after it
+# starts (None: not asserted, only recorded: a later issue changes it).
+KERNELS = {
+    "made a CUDA tensor": ("import torch\ntorch.zeros(1, device='cuda')\n" + CUDA_STATE, "CUDA_STATE True True", "spawn"),
     # is_available() ran cuInit (the driver is initialised) while torch's flag stays False: a
     # fork from here gives ranks whose CUDA fails. nblaunch must not fork then.
-    state = everything_shown(only_asked[1])
-    assert "AVAILABLE True" in state, state
-    record_property("cuda_state_after_is_available", state.strip().splitlines()[-1])
-    seconds, device, shown = launched(only_asked[2])
-    assert device == "cuda:0", shown
-    record_property("launch_seconds_after_is_available", seconds)
-    record_property("start_line", next((l for l in shown.splitlines() if l.startswith("nblaunch: ")), ""))
+    "only asked is_available()": ("import torch\nprint('AVAILABLE', torch.cuda.is_available())\n" + CUDA_STATE,
+                                  "AVAILABLE True", None),
+    "never touched CUDA": ("import torch\n" + CUDA_STATE, "CUDA_STATE False False", "fork"),
+}
+# What the first kernel runs after its launch.
+MORE_CELLS = {"made a CUDA tensor": [
+    "launch_and_time(start_method='fork')",
+    "%load_ext nblaunch",
+    # The last value: backend, device, a process of its own, started by spawn (python -m nblaunch.worker).
+    "%%distributed -n 1\nimport os, sys, torch, torch.distributed as dist\n"
+    "(dist.get_backend(), str(torch.ones(1, device='cuda').device), os.getpid() != KERNEL_PID, "
+    "'nblaunch' in sys.argv[0])",
+    "%%distributed\nt = torch.full((2,), 3.0, device='cuda')\ndist.all_reduce(t)\nt.tolist()",
+    "%distributed stop",
+]}
 
 
 @pytest.fixture(scope="module")
-def untouched(tmp_path_factory):
-    return run_notebook(tmp_path_factory.mktemp("untouched"), [
-        ON_THE_GPU,
-        "import torch\n" + CUDA_STATE,
-        "results = launch_and_time()",
-    ])
+def kernel(tmp_path_factory):
+    """The cells of a real kernel in ``state``, run once per state and module."""
+    done: dict[str, list] = {}
+
+    def run(state: str) -> list:
+        if state not in done:
+            setup = KERNELS[state][0]
+            done[state] = run_notebook(tmp_path_factory.mktemp("kernel"),
+                                       [ON_THE_GPU, setup, "results = launch_and_time()", *MORE_CELLS.get(state, [])])
+        return done[state]
+
+    return run
 
 
-def test_a_kernel_that_never_touched_cuda_forks_and_the_rank_uses_the_gpu(untouched, record_property):
-    assert "CUDA_STATE False False" in everything_shown(untouched[1])
-    seconds, device, shown = launched(untouched[2])
-    assert device == "cuda:0" and "started by fork" in shown, shown
-    record_property("launch_seconds_fork", seconds)
+@pytest.mark.parametrize("state", list(KERNELS))
+def test_a_kernel_launches_onto_the_gpu_whatever_it_did_with_cuda(kernel, state, record_property):
+    _, shows, start = KERNELS[state]
+    cells = kernel(state)
+    assert shows in everything_shown(cells[1]), everything_shown(cells[1])
+    seconds, device, shown = launched(cells[2])
+    assert device == "cuda:0", shown
+    if start == "spawn":  # and says so in one line
+        assert len(SPAWN_LINE.findall(shown)) == 1, shown
+    elif start == "fork":
+        assert "started by fork" in shown, shown
+    record_property(f"launch_seconds {state}", seconds)
+    record_property(f"start_line {state}", next((line for line in shown.splitlines() if line.startswith("nblaunch: ")), ""))
+
+
+def test_asking_for_fork_after_cuda_is_refused_before_anything_starts(kernel):
+    shown = everything_shown(kernel("made a CUDA tensor")[3])
+    assert "LaunchConfigError" in shown and "start_method='fork' would break CUDA" in shown, shown
+    # Nothing ran: no line a launch prints (the cell's own source, in the traceback, names RESULTS).
+    assert not re.search(r"^RESULTS ", shown, re.M) and "[rank 0]" not in shown, shown
+
+
+def test_distributed_magic_after_cuda_spawns_one_nccl_rank_on_the_gpu(kernel):
+    # The magic shows the widget, whose header carries the reason; nbclient keeps only its static
+    # summary, so the start method is read in the rank (a spawned rank runs nblaunch.worker).
+    cells = kernel("made a CUDA tensor")
+    first = everything_shown(cells[5])
+    assert "initialization error" not in first, first
+    assert "[('nccl', 'cuda:0', True, True)]" in first, first
+    assert "[[3.0, 3.0]]" in everything_shown(cells[6]), everything_shown(cells[6])

@@ -16,6 +16,8 @@ from nblaunch import LaunchInterrupted, notebook_launcher, proctree
 from nblaunch.events import RankFinished, RankState, Stacks
 from nblaunch.launch import registry
 
+from processes import gone
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
@@ -33,17 +35,6 @@ def start_blocked_ranks() -> tuple[subprocess.Popen, list[int]]:
         if len(pids) == 2:
             return proc, pids
     raise AssertionError("the ranks never got ready:\n" + "".join(seen))
-
-
-def gone(pids: list[int], within: float) -> bool:
-    """True once none of ``pids`` is a live process (a backstop, not a sleep)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
-        psutil.wait_procs([psutil.Process(p) for p in alive], timeout=0.1)
-    return False
 
 
 def test_an_interrupt_of_the_whole_process_group_shows_stacks_then_stops_every_rank():

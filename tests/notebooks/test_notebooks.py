@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 from nbclient import NotebookClient
+
+from processes import gone
 
 ROOT = Path(__file__).parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -116,25 +117,39 @@ def cpu_computes_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def gone(pids: list[int], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
+# --------------------------------------------------------------------------- every notebook
+# Each notebook runs once per session, top to bottom in a real kernel; its tests read the result.
+# The seconds each may take on 2 cores (None: no limit asserted).
+BUDGETS = {"01_quickstart.ipynb": 120, "02_from_accelerate.ipynb": None, "03_when_things_go_wrong.ipynb": 150,
+           "05_interactive.ipynb": None, "06_fsdp.ipynb": None, "08_lightning.ipynb": 60}
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    done: dict[str, nbformat.NotebookNode] = {}
+
+    def run(name: str) -> nbformat.NotebookNode:
+        if name == "08_lightning.ipynb":
+            pytest.importorskip("lightning")
+        if name not in done:
+            done[name] = execute(name, tmp_path_factory.mktemp(name.split(".")[0]))
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_the_notebook_runs_top_to_bottom_with_no_error_but_its_tagged_ones(executed, name):
+    notebook = executed(name)
+    no_errors_except_tagged(notebook)
+    if BUDGETS[name] is not None:
+        assert notebook.metadata["elapsed_s"] < BUDGETS[name]
 
 
 # --------------------------------------------------------------------------- 01 quickstart
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    return execute("01_quickstart.ipynb", tmp_path_factory.mktemp("quickstart"))
-
-
-def test_quickstart_runs_without_errors_in_a_few_seconds(quickstart):
-    no_errors_except_tagged(quickstart)
-    assert quickstart.metadata["elapsed_s"] < 120
+def quickstart(executed):
+    return executed("01_quickstart.ipynb")
 
 
 def test_quickstart_trains_the_cnn_to_a_high_accuracy_on_two_cpu_ranks(quickstart):
@@ -169,8 +184,8 @@ def test_quickstart_plots_the_loss_curve(quickstart):
 
 # --------------------------------------------------------------------------- 02 from Accelerate
 @pytest.fixture(scope="module")
-def from_accelerate(tmp_path_factory):
-    return execute("02_from_accelerate.ipynb", tmp_path_factory.mktemp("from_accelerate"))
+def from_accelerate(executed):
+    return executed("02_from_accelerate.ipynb")
 
 
 def test_the_accelerate_cell_moves_over_by_changing_its_import_only():
@@ -187,7 +202,6 @@ def test_the_accelerate_cell_moves_over_by_changing_its_import_only():
 
 
 def test_the_moved_cell_trains_on_two_ranks_that_agree(from_accelerate):
-    no_errors_except_tagged(from_accelerate)
     launch = cell(from_accelerate, "from nblaunch import Accelerator, notebook_launcher")
     assert one_view(launch)
     assert rank_states(summary(launch)) == {0: "done", 1: "done"}
@@ -199,13 +213,8 @@ def test_the_moved_cell_trains_on_two_ranks_that_agree(from_accelerate):
 
 # --------------------------------------------------------------------------- 03 when things go wrong
 @pytest.fixture(scope="module")
-def went_wrong(tmp_path_factory):
-    return execute("03_when_things_go_wrong.ipynb", tmp_path_factory.mktemp("went_wrong"))
-
-
-def test_only_the_tagged_cells_raise(went_wrong):
-    no_errors_except_tagged(went_wrong)
-    assert went_wrong.metadata["elapsed_s"] < 150
+def went_wrong(executed):
+    return executed("03_when_things_go_wrong.ipynb")
 
 
 def test_a_rank_that_raises_is_named_with_its_exception_and_traceback(went_wrong):
@@ -398,12 +407,11 @@ def test_binder_requirements_build_an_environment_that_runs_the_quickstart(tmp_p
 
 # --------------------------------------------------------------------------- 05_interactive
 @pytest.fixture(scope="module")
-def interactive(tmp_path_factory):
-    return execute("05_interactive.ipynb", tmp_path_factory.mktemp("interactive"))
+def interactive(executed):
+    return executed("05_interactive.ipynb")
 
 
 def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive):
-    assert not [o for c in interactive.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     result = stream(cell(interactive, "accuracies = _"))
     accuracy = float(result.split("test accuracy ")[1].split("%")[0]) / 100
     assert accuracy > 0.9, result
@@ -417,12 +425,11 @@ def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive)
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    return execute("06_fsdp.ipynb", tmp_path_factory.mktemp("fsdp"))
+def fsdp(executed):
+    return executed("06_fsdp.ipynb")
 
 
 def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
-    no_errors_except_tagged(fsdp)
     held = re.findall(r"rank (\d) holds [\d.]+ MiB: (\d+)% of parameters", stream(cell(fsdp, "whole = 3 *")))
     assert [rank for rank, _ in held] == ["0", "1"]
     assert all(45 <= int(share) <= 55 for _, share in held), held
@@ -434,14 +441,8 @@ def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
 
 # --------------------------------------------------------------------------- 07 Lightning
 @pytest.fixture(scope="module")
-def with_lightning(tmp_path_factory):
-    pytest.importorskip("lightning")
-    return execute("08_lightning.ipynb", tmp_path_factory.mktemp("lightning"))
-
-
-def test_the_lightning_notebook_runs_in_seconds(with_lightning):
-    no_errors_except_tagged(with_lightning)
-    assert with_lightning.metadata["elapsed_s"] < 60  # about 10 s on 2 cores
+def with_lightning(executed):
+    return executed("08_lightning.ipynb")
 
 
 def test_a_trainer_made_in_a_kernels_launch_trains_ddp_and_the_cell_shows_its_bar_and_self_log(with_lightning):
