@@ -62,7 +62,9 @@ def notebook_launcher(
             there is no GPU (or with ``cpu=True``). One rank is a launch like any other: a
             process of its own, the same dashboard, logs and errors.
         mixed_precision: "no", "fp16", "bf16" or "fp8" (fp8: Accelerate's own Accelerator
-            with an fp8 backend, on GPUs), handed to every rank's Accelerator.
+            with an fp8 backend, on GPUs), in any case, handed to every rank's Accelerator;
+            "bfloat16", "float16", "half", "fp32" and "none" are read as those, as the
+            Accelerator reads them.
         use_port: the rendezvous port; None picks a free one.
         master_addr, node_rank, num_nodes: for several machines (each runs this same call).
         start_method: None (fork where safe, spawn where not), "fork" or "spawn".
