@@ -3,6 +3,9 @@
 warm: interleaved launches in one process (after one discarded launch each).
 cold: each sample is a fresh interpreter that imports torch and the launcher, as a notebook's
 first cell does, then times its first launch.
+spawn: the launch a kernel that initialised CUDA gets (``start_method="spawn"`` here, where no
+GPU is): later launches in one process against a fork launch of the same function, and the first
+one in a fresh interpreter; raw is ``torch.multiprocessing`` with ``start_method="spawn"``.
 first step: a fresh interpreter imports torch, the launcher and the Accelerator class (a
 notebook's first cell), then times from the call to the end of the first optimizer step inside
 the workers (Accelerator + DDP + prepare + one AdamW step), for a first and a second launch.
@@ -24,6 +27,8 @@ GOAL_RATIO_RAW = 1.0
 GOAL_RATIO_ACC = 0.4
 GOAL_FIRST_STEP_S = 0.3
 GOAL_IMPORT_ADDS_S = 0.3  # what importing the Accelerator may add to importing torch
+GOAL_SPAWN_VS_FORK = 2.0  # a later spawn launch against a fork launch, in one process (issue 37)
+GOAL_FIRST_SPAWN_VS_RAW = 1.0  # the first spawn launch: no slower than a fresh interpreter per rank
 
 
 def _impls() -> list[str]:
@@ -40,7 +45,7 @@ def _fresh(args: list[str], timeout: float = 120) -> dict:
 
 
 # ----------------------------------------------------------------------------- in a fresh interpreter
-def _cold_trivial(impl: str) -> dict:
+def _cold_trivial(impl: str, start_method: str | None = None) -> dict:
     import torch  # noqa: F401  the notebook has torch
     import torch.distributed  # noqa: F401
 
@@ -52,7 +57,7 @@ def _cold_trivial(impl: str) -> dict:
     else:
         import torch.multiprocessing  # noqa: F401
     t1 = time.perf_counter()
-    run_launch(impl, rendezvous)
+    run_launch(impl, rendezvous, start_method=start_method)
     t2 = time.perf_counter()
     return {"import_s": t1 - t0, "launch_s": t2 - t1}
 
@@ -149,6 +154,7 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     total = {i: [None if f is None else f["import"] + f["first"] for f in first[i]] for i in impls}
     for impl in impls:
         rows.append(row(impl, "fresh interpreter -> first step (the two above together)", "s", total[impl]))
+    rows += _spawn_rows(warm_rounds, fresh_rounds, notes)
     notes.append("import: torch._dynamo (about 1 s) is imported by a first optimizer; nblaunch imports it in the "
                  "launcher before its first fork launch that trains, so forked ranks inherit it: in this fresh "
                  "interpreter that second is part of the first launch, not of the import")
@@ -157,8 +163,58 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     return {"rows": rows, "notes": notes}
 
 
+def _spawn_rows(warm_rounds: int, fresh_rounds: int, notes: list[str]) -> list[dict]:
+    """Launches that cannot fork from the kernel: later ones in one process, and the first."""
+    launches = {"nblaunch spawn": lambda: run_launch("nblaunch", rendezvous, start_method="spawn"),
+                "nblaunch fork": lambda: run_launch("nblaunch", rendezvous),
+                "raw spawn": lambda: run_launch("raw", rendezvous, start_method="spawn")}
+    for launch in launches.values():
+        launch()  # nblaunch's spawn: its launch server starts here, once per process
+
+    def timed(launch):
+        def one():
+            t0 = time.perf_counter()
+            launch()
+            return 1000 * (time.perf_counter() - t0)
+        return one
+
+    later = interleave(warm_rounds, {name: timed(launch) for name, launch in launches.items()})
+    first = interleave(fresh_rounds, {name: (lambda impl=impl: _fresh(["cold-spawn", impl]))
+                                      for name, impl in (("nblaunch spawn", "nblaunch"), ("raw spawn", "raw"))})
+    for kind, errors in (("spawn later", later["_errors"]), ("spawn first", first["_errors"])):
+        for name, errs in errors.items():
+            notes.append(f"{kind} {name}: {len(errs)} failed: {errs[0]}")
+    rows = []
+    metric = "spawn launch, second and later in one process"
+    for name in launches:
+        ratios = goal = met = None
+        if name == "nblaunch spawn":
+            ratios = {"vs nblaunch fork": pair_ratios(later[name], later["nblaunch fork"]),
+                      "vs raw spawn": pair_ratios(later[name], later["raw spawn"])}
+            goal = f"<= {GOAL_SPAWN_VS_FORK:.1f}x nblaunch fork"
+            median = ratios["vs nblaunch fork"].get("median")
+            met = median is not None and median <= GOAL_SPAWN_VS_FORK
+        rows.append(row(name, metric, "ms", later[name], goal=goal, met=met, ratios=ratios))
+    firsts = {name: [None if f is None else 1000 * f["launch_s"] for f in first[name]] for name in first if name != "_errors"}
+    for name, samples in firsts.items():
+        ratios = goal = met = None
+        if name == "nblaunch spawn":
+            ratios = {"vs raw spawn": pair_ratios(samples, firsts["raw spawn"])}
+            goal = f"<= {GOAL_FIRST_SPAWN_VS_RAW:.1f}x raw spawn"
+            median = ratios["vs raw spawn"].get("median")
+            met = median is not None and median <= GOAL_FIRST_SPAWN_VS_RAW
+        rows.append(row(name, "spawn launch, the first in a fresh interpreter", "ms", samples, goal=goal, met=met,
+                        ratios=ratios))
+    notes.append("spawn: nblaunch forks spawn ranks from its launch server (started by a process's first such launch, "
+                 "then reused); raw spawn starts a fresh interpreter per rank at every launch")
+    return rows
+
+
 if __name__ == "__main__":
     kind, impl = sys.argv[1], sys.argv[2]
-    result = _cold_trivial(impl) if kind == "cold" else _first_steps(impl)
+    if kind == "cold-spawn":
+        result = _cold_trivial(impl, start_method="spawn")
+    else:
+        result = _cold_trivial(impl) if kind == "cold" else _first_steps(impl)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)

@@ -50,12 +50,14 @@ def read_results(out_dir: str, world: int) -> list:
 
 def run_launch(impl: str, fn, args: tuple = (), nprocs: int = 2, **nblaunch_kwargs) -> list | None:
     """Launch ``fn(*args)`` on ``nprocs`` processes the way a user of ``impl`` would.
-    nblaunch returns results; raw and Accelerate return nothing (results travel by files)."""
+    nblaunch returns results; raw and Accelerate return nothing (results travel by files).
+    ``start_method="spawn"`` starts raw's processes by spawn too."""
     if impl == "raw":
         import torch.multiprocessing as mp
         from benchmarks.common import free_port
 
-        mp.start_processes(raw_entry, args=(free_port(), nprocs, fn, args, None), nprocs=nprocs, start_method="fork")
+        method = nblaunch_kwargs.get("start_method") or "fork"
+        mp.start_processes(raw_entry, args=(free_port(), nprocs, fn, args, None), nprocs=nprocs, start_method=method)
         return None
     if impl == "nblaunch":
         from nblaunch import notebook_launcher

@@ -30,6 +30,12 @@ CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
 
+# Kernel <-> its launch server (nblaunch.worker.fork_server), on a socket of their own
+SERVER_START = b"N"  # kernel: pickled (request id, environ, cwd); a rank's four pipe ends ride on it
+SERVER_READY = b"Y"  # server: empty body: torch is imported, ranks can be asked for
+SERVER_STARTED = b"I"  # server: pickled (request id, pid)
+SERVER_EXITED = b"X"  # server: pickled (pid, exit code), once the rank is reaped
+
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
 # (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.starting.packing.
 SHARED_STORAGE = "nblaunch.shared-storage"

@@ -35,6 +35,7 @@ from nblaunch.launch.starting.base import Starter, kill_and_reap
 from nblaunch.launch.starting.fork import ForkStarter
 from nblaunch.launch.starting.packing import Payload, package
 from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.starting.server_starter import ServerStarter
 from nblaunch.launch.starting.spawn import SpawnStarter
 from nblaunch.launch.supervising.supervisor import Supervisor
 
@@ -45,7 +46,12 @@ def _xla_host_starter() -> Starter:
     return XlaHostStarter()
 
 
-_STARTERS: dict[str, Callable[[], Starter]] = {"fork": ForkStarter, "spawn": SpawnStarter, "xla": _xla_host_starter}
+# Linux forks "spawn" ranks from the launch server (a fresh interpreter per rank elsewhere).
+_STARTERS: dict[str, Callable[[], Starter]] = {
+    "fork": ForkStarter,
+    "spawn": ServerStarter if sys.platform.startswith("linux") else SpawnStarter,
+    "xla": _xla_host_starter,
+}
 
 
 class LocalHome:

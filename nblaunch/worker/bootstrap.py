@@ -84,7 +84,8 @@ def settle_forked_child(parent_pid: int) -> None:
 
 
 def main_spawned(argv: list[str]) -> NoReturn:
-    """Entry point of ``python -m nblaunch.worker CONTROL_FD EVENT_FD PARENT_PID``."""
+    """Entry point of ``python -m nblaunch.worker CONTROL_FD EVENT_FD PARENT_PID``, and of a rank
+    the launch server forked (``nblaunch.worker.fork_server``), its stdout and stderr on 1 and 2."""
     try:
         with RankGuard(None, 2) as guard:
             guard.phase = Phase.JOINING
@@ -95,9 +96,9 @@ def main_spawned(argv: list[str]) -> NoReturn:
             attach_streams(1, 2)
             guard.phase = Phase.LOADING
             control = ControlSocket(control_fd)
-            settings, data, buffers = payload.read(control)
+            settings, data, buffers, local_fd = payload.read(control)
             sys.path[:] = settings.sys_path  # so functions pickled by reference import as in the parent
-            function, args = payload.load(data, buffers)
+            function, args = payload.load(data, buffers, local_fd)
             code = _run_rank(guard, settings, function, args, event_fd, control)
         os._exit(code)
     finally:

@@ -48,4 +48,9 @@ def become_subreaper() -> None:
 
 def set_process_name(label: str) -> None:
     """Name the process `nblaunch-r<label>` (shown by ps/top; 15 characters at most)."""
-    _prctl(_PR_SET_NAME, f"{PROCESS_NAME_PREFIX}{label}".encode()[:15])
+    name_process(f"{PROCESS_NAME_PREFIX}{label}")
+
+
+def name_process(name: str) -> None:
+    """Name the process ``name`` in ps/top (15 characters at most)."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])

@@ -62,17 +62,22 @@ def load(data: bytes, buffers: list[tuple[int, int]], local_fd: dict[int, int] |
                 pass
 
 
-def read(control: ControlSocket) -> tuple[Any, bytes, list[tuple[int, int]]]:
-    """``(settings, pickle, buffers)`` from the control socket; exits if the launcher is gone.
-    Frames read past the payload (a warm rank's first call) stay in ``control`` for the watch
-    thread."""
+def read(control: ControlSocket) -> tuple[Any, bytes, list[tuple[int, int]], dict[int, int]]:
+    """``(settings, pickle, buffers, local_fd)`` from the control socket; exits if the launcher
+    is gone. ``local_fd`` maps the launcher's memfd numbers to this process's where they came in
+    a SHARED frame first (a rank forked by the launch server), and is empty where they were
+    inherited (a spawned rank). Frames read past the payload (a warm rank's first call) stay in
+    ``control`` for the watch thread."""
     head: tuple | None = None
+    local_fd: dict[int, int] = {}
     while True:
         frames = control.next_frames()
         for index, (kind, body) in enumerate(frames):
-            if kind == wire.SPAWN_SETTINGS:
+            if kind == wire.SHARED and head is None:
+                local_fd, _ = control.shared_memory(body)
+            elif kind == wire.SPAWN_SETTINGS:
                 head = pickle.loads(body)
             elif kind == wire.PAYLOAD and head is not None:
                 control.put_back(frames[index + 1 :])
                 settings, buffers = head
-                return settings, body, buffers
+                return settings, body, buffers, local_fd

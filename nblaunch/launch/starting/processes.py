@@ -16,11 +16,10 @@ import os
 import pickle
 import re
 import signal
-import subprocess
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Protocol
 
 from nblaunch import proctree, wire
 from nblaunch.launch.starting import fdtable
@@ -75,6 +74,12 @@ class RankPipes:
             return False
 
 
+class Reaper(Protocol):
+    def poll(self) -> int | None: ...
+
+    def wait(self) -> int: ...
+
+
 @dataclass
 class WorkerProcess:
     """The launcher's handle on one process it started, and the ranks that process hosts.
@@ -86,7 +91,9 @@ class WorkerProcess:
     pid: int
     ranks: list[RankPipes]
     exit_fd: int | None  # a pidfd: readable once the process has exited (None where unsupported)
-    popen: subprocess.Popen | None = None  # spawned ranks only
+    # What reaps it when it is not a child forked here: its Popen (spawned), the launch server
+    # (a rank it forked). Anything with poll() and wait() returning the exit code.
+    reaper: Reaper | None = None
     returncode: int | None = None
     killed_by_launcher: bool = False
     cleaned: bool = False  # it said it stopped everything it had started (wire.CLEANED)
@@ -96,8 +103,8 @@ class WorkerProcess:
         """Reap the process if it has exited; returns its return code (-signal if killed)."""
         if self.returncode is not None:
             return self.returncode
-        if self.popen is not None:
-            self.returncode = self.popen.poll()
+        if self.reaper is not None:
+            self.returncode = self.reaper.poll()
             return self.returncode
         pid, status = os.waitpid(self.pid, os.WNOHANG)
         if pid == self.pid:
@@ -106,8 +113,8 @@ class WorkerProcess:
 
     def wait(self) -> int:
         if self.returncode is None:
-            if self.popen is not None:
-                self.returncode = self.popen.wait()
+            if self.reaper is not None:
+                self.returncode = self.reaper.wait()
             else:
                 self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.returncode
@@ -174,7 +181,7 @@ class Pipes:
         return [self.stdout[1], self.stderr[1], self.events[1], self.control[0]]
 
 
-def handle_for(pid: int, ranks: dict[int, Pipes], popen: subprocess.Popen | None) -> WorkerProcess:
+def handle_for(pid: int, ranks: dict[int, Pipes], reaper: Reaper | None) -> WorkerProcess:
     links = {rank: f"socket:[{os.fstat(p.control[0]).st_ino}]" for rank, p in ranks.items()}
     fdtable.close([fd for pipes in ranks.values() for fd in pipes.worker_ends])  # the worker has them
     for pipes in ranks.values():
@@ -194,7 +201,7 @@ def handle_for(pid: int, ranks: dict[int, Pipes], popen: subprocess.Popen | None
             for rank, p in sorted(ranks.items())
         ],
         exit_fd=exit_fd,
-        popen=popen,
+        reaper=reaper,
         _open_fds=launcher_fds,
     )
 
@@ -225,9 +232,9 @@ def fork_process(ranks: dict[int, Pipes], child: Callable[[], NoReturn]) -> Work
         return pid
 
     def undo(pid: int) -> None:  # interrupted meanwhile: nobody would own this process
-        worker = handle_for(pid, ranks, popen=None)
+        worker = handle_for(pid, ranks, reaper=None)
         worker.kill()
         worker.wait()
         worker.close()
 
-    return handle_for(run_on_forking_thread(fork, undo), ranks, popen=None)
+    return handle_for(run_on_forking_thread(fork, undo), ranks, reaper=None)

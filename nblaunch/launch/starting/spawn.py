@@ -1,6 +1,7 @@
 """Spawn: every rank is a fresh interpreter (``python -m nblaunch.worker``) that receives the
-function and its arguments, cloudpickled, on its control socket. Used where fork is unsafe (CUDA
-already initialised here, not Linux) or when asked for."""
+function and its arguments, cloudpickled, on its control socket. Used where fork is not safe at
+all (not Linux); on Linux a launch that cannot fork from here has its ranks forked by the launch
+server instead (``server_starter``), which receives them the same way (:func:`send_payload`)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.base import Starter, start_each_rank
 from nblaunch.launch.starting.packing import Payload, package
-from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for
+from nblaunch.launch.starting.processes import Pipes, RankPipes, WorkerProcess, handle_for
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
 # The folder that holds the nblaunch package (three levels above this file): a spawned rank
 # imports this nblaunch, also where it is not installed (a clone on sys.path).
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 class SpawnStarter(Starter):
@@ -45,7 +46,7 @@ def spawn_rank(settings: WorkerSettings, payload: Payload, environ: dict[str, st
     """Start one rank as a fresh interpreter that receives the function on its control socket."""
     pipes = Pipes.open()
     env = dict(environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     popen = subprocess.Popen(
         [sys.executable, "-m", "nblaunch.worker", str(pipes.control[0]), str(pipes.events[1]), str(os.getpid())],
         stdin=subprocess.DEVNULL,
@@ -55,19 +56,29 @@ def spawn_rank(settings: WorkerSettings, payload: Payload, environ: dict[str, st
         env=env,
         start_new_session=True,  # a process group of its own, like a forked rank
     )
-    worker = handle_for(popen.pid, {settings.rank: pipes}, popen=popen)
-    head = wire.encode(wire.SPAWN_SETTINGS, pickle.dumps((settings, payload.buffers), protocol=pickle.HIGHEST_PROTOCOL))
-    # The pickle is written as it is, never joined to a header: no copy of it per rank.
-    pieces = [head, wire.HEADER.pack(wire.PAYLOAD, len(payload.data)), payload.data]
-    # A thread, because a large payload fills the pipe before the child starts reading it.
-    rank = worker.ranks[0]
-    rank.payload_sender = threading.Thread(target=_send_payload, args=(rank.control_fd, pieces), daemon=True)
-    rank.payload_sender.start()
+    worker = handle_for(popen.pid, {settings.rank: pipes}, reaper=popen)
+    send_payload(worker.ranks[0], settings, payload, memfds_on_the_socket=False)
     return worker
 
 
-def _send_payload(fd: int, pieces: list[bytes]) -> None:
+def send_payload(rank: RankPipes, settings: WorkerSettings, payload: Payload, *, memfds_on_the_socket: bool) -> None:
+    """Send a starting rank its settings, then the function and its arguments, on its control
+    socket, in a thread of their own (a large payload fills the socket before the rank reads it).
+    The payload's memfds are inherited by a spawned rank (the same numbers); for a rank the launch
+    server forked they ride on a SHARED frame first (``memfds_on_the_socket``)."""
+    head = wire.encode(wire.SPAWN_SETTINGS, pickle.dumps((settings, payload.buffers), protocol=pickle.HIGHEST_PROTOCOL))
+    # The pickle is written as it is, never joined to a header: no copy of it per rank.
+    pieces = [head, wire.HEADER.pack(wire.PAYLOAD, len(payload.data)), payload.data]
+    shared = payload if memfds_on_the_socket and payload.fds else None
+    rank.payload_sender = threading.Thread(target=_send, args=(rank.control_fd, pieces, shared), daemon=True)
+    rank.payload_sender.start()
+
+
+def _send(fd: int, pieces: list[bytes], shared: Payload | None) -> None:
     try:
+        if shared is not None:
+            note = pickle.dumps((shared.fds, []), protocol=pickle.HIGHEST_PROTOCOL)
+            wire.write_frame_with_fds(fd, wire.SHARED, note, shared.fds)
         for piece in pieces:
             wire.write_all(fd, piece)
     except OSError:
