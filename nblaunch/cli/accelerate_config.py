@@ -31,9 +31,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from nblaunch.contract.precision import parse_precision
+from nblaunch.contract.precision import AUTO, fast_precision, parse_precision
 from nblaunch.contract.variables import ACCELERATE_USE_FSDP, FSDP_VARIABLES
-from nblaunch.launch.planning.devices import cuda_device_count
+from nblaunch.launch.planning.devices import cuda_capability, cuda_device_count
 
 __all__ = ["AccelerateConfig", "ConfigError", "apply_config", "config_to_read", "default_config_path",
            "read_config", "visible_devices", "write_basic_config"]
@@ -94,6 +94,8 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | None = 
         write_basic_config(mixed_precision="bf16")   # ~/.cache/huggingface/accelerate/default_config.yaml
     """
     mixed_precision = parse_precision(mixed_precision)  # ValueError for a word nblaunch does not know
+    if mixed_precision == AUTO:  # Accelerate reads the file too, and knows no "auto": decided here
+        mixed_precision = fast_precision("cuda" if cuda_device_count() else "cpu", cuda_capability())
     if use_xpu:
         raise ValueError("write_basic_config(use_xpu=True): nblaunch does not drive XPUs")
     path = os.path.expanduser(save_location) if save_location is not None else default_config_path()

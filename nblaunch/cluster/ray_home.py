@@ -31,7 +31,7 @@ from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
-from nblaunch.launch.planning.plan import LaunchPlan, check_fp8, plural, ranks_per_node
+from nblaunch.launch.planning.plan import LaunchPlan, check_fp8, decided_precision, plural, ranks_per_node
 from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
 from nblaunch.launch.starting.packing import Payload
 
@@ -62,7 +62,9 @@ class RayHome:
         self._ray, cluster = ray_placement.connect()
         gpus = 0 if r.cpu else ray_placement.gpus_per_node(self._ray, r.num_nodes)
         num_processes = ranks_per_node(r, gpus)
-        check_fp8(r.mixed_precision, "cuda" if gpus else "cpu")
+        # "auto" is decided on each node, by its own GPUs; here it reads as the CPU's where there are none.
+        precision = r.mixed_precision if gpus else decided_precision(r.mixed_precision, "cpu", None)
+        check_fp8(precision, "cuda" if gpus else "cpu")
         self._nodes = NodeRequest(num_nodes=r.num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
         ray_placement.check_fits(self._ray, self._nodes)
         kind = plural(num_processes, "CUDA GPU") if gpus else "CPU"
@@ -73,7 +75,8 @@ class RayHome:
                          "each node's agent starts its ranks as a launch on one machine does",
             device_kind="cuda" if gpus else "cpu",
             devices=f"{kind}, {plural(num_processes, 'rank')} on each of {plural(r.num_nodes, 'Ray node')}",
-            shown_ranks=num_processes * r.num_nodes, meeting_point="node 0, once Ray has placed the ranks",
+            shown_ranks=num_processes * r.num_nodes, precision=precision,
+            meeting_point="node 0, once Ray has placed the ranks",
             port_pinned=r.use_port is not None,
         )
         # What each node's agent launches there: its share, the driver keeping the clock. A CPU

@@ -103,6 +103,13 @@ int nvmlDeviceGetCount_v2(unsigned int *count) {
     *count = gpus ? (unsigned int) atoi(gpus) : 0;
     return 0;
 }
+int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device) { *device = (void *) 1; return 0; }
+int nvmlDeviceGetCudaComputeCapability(void *device, int *major, int *minor) {
+    const char *cc = getenv("FAKE_NVML_CC");  /* "7.5": a T4 */
+    *major = cc ? atoi(cc) : 8;
+    *minor = cc ? atoi(cc + 2) : 0;
+    return 0;
+}
 '''
 
 ONE_GPU_MACHINE = '''
@@ -117,7 +124,8 @@ def where():
     return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
 
 default = plan_here(LaunchRequest(where))
-out = {"count": devices.cuda_device_count(), "default": [default.num_processes, default.device_kind, default.devices]}
+out = {"count": devices.cuda_device_count(), "default": [default.num_processes, default.device_kind, default.devices],
+       "capability": devices.cuda_capability(), "auto": plan_here(LaunchRequest(where, mixed_precision="auto")).precision}
 for name, call in (("launch", lambda: notebook_launcher(where, num_processes=2, display="none")),
                    ("warm", lambda: WarmRanks(num_processes=2, display="none"))):
     try:
@@ -136,7 +144,7 @@ print("RESULT " + json.dumps(out), flush=True)
 @pytest.fixture
 def one_gpu_driver(tmp_path):
     """The environment of a child interpreter that finds a driver reporting one NVIDIA GPU."""
-    return {**stand_in_library(tmp_path, "libnvidia-ml.so.1", FAKE_NVML), "FAKE_NVML_GPUS": "1"}
+    return {**stand_in_library(tmp_path, "libnvidia-ml.so.1", FAKE_NVML), "FAKE_NVML_GPUS": "1", "FAKE_NVML_CC": "7.5"}
 
 
 def stand_in_library(tmp_path, name: str, source: str) -> dict[str, str]:
@@ -158,6 +166,8 @@ def test_a_one_gpu_machine_refuses_two_gpu_ranks_and_runs_cpu_ranks(tmp_path, on
     found, _ = run_child(ONE_GPU_MACHINE, tmp_path, one_gpu_driver)
     assert found["count"] == 1
     assert found["default"] == [1, "cuda", "1 CUDA GPU"]  # one rank per GPU when num_processes is left out
+    # A T4 (compute capability 7.5), asked through NVML: "auto" is its fast fp16, not emulated bf16.
+    assert found["capability"] == [7, 5] and found["auto"] == "fp16"
     refusal = ("num_processes=2, but 1 GPU is visible and a GPU rank needs a GPU of its own: pass num_processes=1 "
                "(or leave it out), or cpu=True to run 2 ranks on the CPU (to try or debug distributed code).")
     assert found["launch"] == refusal and found["warm"] == refusal

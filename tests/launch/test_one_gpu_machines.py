@@ -6,14 +6,19 @@ launcher decides as it would on a one-GPU machine; the ranks then really run, on
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from nblaunch import LaunchConfigError, RankFailedError, WarmRanks, notebook_launcher
 from nblaunch.events import LaunchStarted, RankStarted
+from nblaunch.contract.precision import fast_precision
 from nblaunch.launch.planning import devices, plan
+from nblaunch.launch.planning.plan import plan_here
+from nblaunch.launch.planning.request import LaunchRequest
 
 
 @pytest.fixture
@@ -77,3 +82,28 @@ def test_launch_options_are_refused_with_warm_ranks_not_dropped(option):
         name = next(iter(option))
         with pytest.raises(LaunchConfigError, match=f"{name} cannot apply with ranks=: .* Pass it to WarmRanks"):
             notebook_launcher(where_am_i, ranks=ranks, **option)
+
+
+def rank_precision():
+    return os.environ["NBLAUNCH_MIXED_PRECISION"], os.environ["ACCELERATE_MIXED_PRECISION"]
+
+
+@pytest.mark.parametrize("capability, fast", [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_auto_is_what_the_gpu_computes_fast_and_a_word_asked_for_is_kept(one_gpu, monkeypatch, capability, fast):
+    monkeypatch.setattr(devices, "cuda_capability", lambda: capability)
+    assert plan_here(LaunchRequest(where_am_i, mixed_precision="auto")).precision == fast
+    assert plan_here(LaunchRequest(where_am_i, mixed_precision="bf16")).precision == "bf16"  # asked for: kept
+    on_the_cpu = plan_here(LaunchRequest(where_am_i, num_processes=2, mixed_precision="auto", cpu=True))
+    assert on_the_cpu.precision == fast_precision("cpu")
+
+
+def test_the_quickstart_on_a_t4_trains_in_fp16(one_gpu, monkeypatch):
+    """Colab's free GPU: the quickstart's own precision cell, planned for a T4 (7.5), reaches
+    every rank (and Accelerate's variable) as fp16."""
+    monkeypatch.setattr(devices, "cuda_capability", lambda: (7, 5))
+    notebook = json.loads((Path(__file__).parents[2] / "notebooks" / "01_quickstart.ipynb").read_text())
+    (source,) = ["".join(c["source"]) for c in notebook["cells"] if "mixed_precision = " in "".join(c["source"])]
+    cell = {"num_processes": 1}
+    exec(source, cell)
+    assert notebook_launcher(rank_precision, num_processes=1, mixed_precision=cell["mixed_precision"],
+                             display="none") == [("fp16", "fp16")]

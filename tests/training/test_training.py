@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from nblaunch.contract.precision import fast_precision
 from nblaunch.training import Accelerator, set_seed
+from nblaunch.training.model.mixed_precision import check_supported, resolve_mixed_precision
 
 
 def _data(n=48):
@@ -174,6 +176,23 @@ def test_mixed_precision_setting_rules(monkeypatch):
         Accelerator()
     with pytest.raises(ValueError, match="mixed_precision"):
         Accelerator(mixed_precision="fp12")
+    monkeypatch.setenv("NBLAUNCH_MIXED_PRECISION", "auto")  # what the CPU computes fast: here none
+    assert Accelerator().mixed_precision == Accelerator(mixed_precision="AUTO").mixed_precision == fast_precision("cpu")
+
+
+@pytest.mark.parametrize("capability, fast", [((7, 5), "fp16"), ((8, 6), "bf16")])
+def test_auto_on_a_gpu_is_what_its_capability_computes_fast(monkeypatch, capability, fast):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_mixed_precision("auto", torch.device("cuda", 0)) == fast
+
+
+def test_bf16_on_a_gpu_that_only_emulates_it_warns_with_what_to_use(monkeypatch):
+    # A T4: torch says bf16 is supported (emulation counts), but not in hardware.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.warns(UserWarning, match=r"'bf16' on Tesla T4 \(compute capability 7.5\) is emulated.*'fp16', or 'auto'"):
+        check_supported("bf16", torch.device("cuda", 0))
 
 
 def test_prepare_keeps_order_and_is_idempotent():

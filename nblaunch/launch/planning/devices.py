@@ -15,6 +15,38 @@ from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
 
 
 @lru_cache(maxsize=1)
+def _nvml_capabilities() -> tuple[tuple[int, int], ...]:
+    """Each GPU's CUDA compute capability, through NVML (empty where there is none)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return ()
+    if nvml.nvmlInit_v2() != 0:
+        return ()
+    try:
+        count = ctypes.c_uint(0)
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return ()
+        found = []
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(0), ctypes.c_int(0)
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                return ()
+            found.append((major.value, minor.value))
+        return tuple(found)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The lowest CUDA compute capability among this machine's GPUs, without initialising CUDA
+    (None where NVML cannot tell): what ``mixed_precision="auto"`` decides by."""
+    capabilities = _nvml_capabilities()
+    return min(capabilities) if capabilities else None
+
+
+@lru_cache(maxsize=1)
 def _nvml_device_count() -> int:
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")

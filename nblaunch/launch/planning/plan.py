@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from nblaunch.contract import variables as v
+from nblaunch.contract.precision import AUTO, fast_precision
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import devices, ports, tpu
 from nblaunch.launch.planning.request import START_METHODS, LaunchRequest
@@ -32,8 +33,10 @@ CPU_RANKS_BY_DEFAULT = 2  # num_processes=None on a machine without GPUs: a real
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """How one launch runs: who, where, how it starts, where the ranks meet. The request's own
-    settings (function, precision, cpu, restarts, ...) are read from ``request``, never copied."""
+    """How one launch runs: who, where, how it starts, where the ranks meet, in what precision.
+    The request's own settings (function, cpu, restarts, ...) are read from ``request``, never
+    copied; what the plan decides from them is here (ranks per node from ``num_processes=None``,
+    ``precision`` from ``mixed_precision="auto"``)."""
 
     request: LaunchRequest
     num_processes: int  # ranks on this node
@@ -46,6 +49,7 @@ class LaunchPlan:
     device_kind: str  # "cpu", "cuda" or "xla"
     devices: str  # in words, for the launch's first line: "2 CUDA GPUs", "CPU, 4 threads each"
     shown_ranks: int  # the ranks this launch shows, a pane and a log each: this node's, or every node's
+    precision: str  # the request's mixed_precision, "auto" decided for these devices (contract.precision)
     threads: int | None = None  # intra-op threads per rank; None leaves the user's choice alone
     meeting_point: str = ""  # where the ranks meet, when it is not master_addr:master_port
     xla_environ: dict[str, str] | None = None  # XLA only: what the host process adds to its environment
@@ -68,10 +72,10 @@ class LaunchPlan:
             v.GROUP_RANK: str(self.node_rank),
             v.MASTER_ADDR: self.master_addr,
             v.MASTER_PORT: str(self.master_port),
-            v.MIXED_PRECISION: request.mixed_precision,
+            v.MIXED_PRECISION: self.precision,
             # What Hugging Face Accelerate (and so transformers' Trainer) reads, as its own
             # launchers set it: code that keeps `accelerate` gets the same launch.
-            v.ACCELERATE_MIXED_PRECISION: request.mixed_precision,
+            v.ACCELERATE_MIXED_PRECISION: self.precision,
             # torchrun always sets it, and libraries ask torch.distributed.is_torchelastic_launched()
             # to trust the variables above: Lightning then checks its devices= against WORLD_SIZE
             # (a mismatch is a clear error instead of a hang waiting for ranks that never come).
@@ -100,6 +104,12 @@ def ranks_per_node(request: LaunchRequest, gpus: int) -> int:
     """The ranks each node runs: as asked, else one per GPU (``gpus`` each node gives the
     launch), else ``CPU_RANKS_BY_DEFAULT``. Every home counts this way."""
     return request.num_processes or gpus or CPU_RANKS_BY_DEFAULT
+
+
+def decided_precision(mixed_precision: str, device_kind: str, capability: tuple[int, int] | None) -> str:
+    """``mixed_precision`` as these devices run it: "auto" becomes the fast one for them
+    (``contract.precision.fast_precision``), every other word stays as asked."""
+    return fast_precision(device_kind, capability) if mixed_precision == AUTO else mixed_precision
 
 
 def start_method_for(requested: str | None, cpu: bool) -> tuple[str, str]:
@@ -147,7 +157,8 @@ def plan_here(request: LaunchRequest) -> LaunchPlan:
             f"needs a GPU of its own: pass num_processes={gpus} (or leave it out), or cpu=True to run "
             f"{num_processes} ranks on the CPU (to try or debug distributed code)."
         )
-    check_fp8(r.mixed_precision, device_kind)
+    precision = decided_precision(r.mixed_precision, device_kind, devices.cuda_capability() if gpus else None)
+    check_fp8(precision, device_kind)
     check_open_files(num_processes)
     method, reason = start_method_for(r.start_method, r.cpu)
     threads = threads_per_worker(num_processes)
@@ -167,6 +178,7 @@ def plan_here(request: LaunchRequest) -> LaunchPlan:
         device_kind=device_kind,
         devices=words,
         shown_ranks=num_processes,
+        precision=precision,
         threads=threads,
         port_pinned=r.use_port is not None,
     )
@@ -177,9 +189,9 @@ def _xla_plan(request: LaunchRequest) -> LaunchPlan:
     if request.max_restarts:
         raise LaunchConfigError("max_restarts is not supported on XLA (torch_xla's xmp.spawn starts the ranks)")
     tpu.check_usable()
-    if request.mixed_precision in ("fp16", "fp8"):
-        raise LaunchConfigError(f"mixed_precision={request.mixed_precision!r} is not supported on XLA devices; "
-                                "use 'bf16' or 'no'")
+    precision = decided_precision(request.mixed_precision, "xla", None)
+    if precision in ("fp16", "fp8"):
+        raise LaunchConfigError(f"mixed_precision={precision!r} is not supported on XLA devices; use 'bf16' or 'no'")
     count, host_environ = tpu.local_device_count(request.num_processes)
     if request.start_method == "xla":
         reason = "asked for with start_method='xla'"
@@ -197,8 +209,9 @@ def _xla_plan(request: LaunchRequest) -> LaunchPlan:
         device_kind="xla",
         devices=f"{plural(count, 'XLA device')} ({os.environ.get(v.PJRT_DEVICE) or 'TPU'})",
         shown_ranks=count,
+        precision=precision,
         meeting_point="torch_xla",
-        xla_environ=dict(host_environ, **{v.MIXED_PRECISION: request.mixed_precision, v.XLA_LAUNCH: "1"}),
+        xla_environ=dict(host_environ, **{v.MIXED_PRECISION: precision, v.XLA_LAUNCH: "1"}),
     )
 
 

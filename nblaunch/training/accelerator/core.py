@@ -63,8 +63,10 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
     Args:
         device_placement: move prepared models and batches to ``accelerator.device``.
         split_batches: the DataLoader batch size is the global one (split between processes).
-        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; None reads
-            ``NBLAUNCH_MIXED_PRECISION`` (the launcher's ``mixed_precision=``), default ``"no"``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"``, or ``"auto"``: the one the device
+            computes fast (bf16 on GPUs of compute capability 8.0 on and TPUs, fp16 on older
+            GPUs, none on CPUs); None reads ``NBLAUNCH_MIXED_PRECISION`` (the launcher's
+            ``mixed_precision=``), default ``"no"``.
         gradient_accumulation_steps: micro-steps per optimizer step (with :meth:`accumulate`).
         cpu: use the CPU (gloo) even if CUDA is available.
         dataloader_config: a :class:`DataLoaderConfiguration`.
@@ -131,7 +133,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.state = AcceleratorState(cpu=cpu, **_group_arguments(group))
         self.device = self.state.device
         self.device_placement = device_placement
-        self.mixed_precision = resolve_mixed_precision(mixed_precision)
+        self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
         check_supported(self.mixed_precision, self.device)
         self._autocast_dtype = autocast_dtype(self.mixed_precision)
         if fsdp_plugin is None:

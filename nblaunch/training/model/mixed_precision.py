@@ -12,26 +12,39 @@ it is never silently ignored. fp8 is refused with a clear error, and so is fp16 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 
-from nblaunch.contract.precision import parse_precision, precision_from_environ
+from nblaunch.contract.precision import AUTO, BF16_HARDWARE, fast_precision, parse_precision, precision_from_environ
 from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["resolve_mixed_precision", "autocast_dtype", "AutocastForward", "convert_outputs_to_fp32",
            "make_grad_scaler"]
 
-def resolve_mixed_precision(value: str | None) -> str:
-    """The mode to use: ``value`` if given, else the launch's (``NBLAUNCH_MIXED_PRECISION``),
-    else ``"no"``. An unknown word is a ``ValueError``; fp8, a word this Accelerator cannot run,
-    is a ``NotImplementedError`` that says what to use."""
+def resolve_mixed_precision(value: str | None, device: torch.device) -> str:
+    """The mode to use on ``device``: ``value`` if given, else the launch's
+    (``NBLAUNCH_MIXED_PRECISION``), else ``"no"``; "auto" is the one ``device`` computes fast.
+    An unknown word is a ``ValueError``; fp8, a word this Accelerator cannot run, is a
+    ``NotImplementedError`` that says what to use."""
     mode = precision_from_environ() if value is None else parse_precision(value)
+    if mode == AUTO:
+        mode = fast_precision(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     if mode == "fp8":
         raise NotImplementedError(
             "mixed_precision='fp8' is not supported by nblaunch's Accelerator; use 'bf16' or 'fp16' (or "
             "Accelerate's own Accelerator with an fp8 backend).")
     return mode
+
+
+def bf16_in_hardware(device: torch.device) -> bool:
+    """Whether this CUDA device computes bf16 in hardware; ``torch.cuda.is_bf16_supported()``
+    also says True where bf16 is only emulated (a T4)."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # a torch that does not tell emulation apart: by the device's capability
+        return torch.cuda.get_device_capability(device) >= BF16_HARDWARE
 
 
 def autocast_dtype(mode: str) -> torch.dtype | None:
@@ -48,6 +61,11 @@ def check_supported(mode: str, device: torch.device) -> None:
                          "there, and TPUs compute in bf16): use 'bf16' or 'no'")
     if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"mixed_precision='bf16' is not supported by {torch.cuda.get_device_name(device)}")
+    if mode == "bf16" and device.type == "cuda" and not bf16_in_hardware(device):
+        warnings.warn(f"mixed_precision='bf16' on {torch.cuda.get_device_name(device)} (compute capability "
+                      f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) is emulated, and slower than "
+                      "fp16 there: use mixed_precision='fp16', or 'auto' for the one each device computes fast",
+                      stacklevel=3)
     if mode == "fp16" and device.type == "cpu":
         try:
             torch.amp.GradScaler("cpu")

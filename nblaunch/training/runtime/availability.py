@@ -4,7 +4,8 @@ libraries this process can use. Nothing here starts a device or imports the libr
 Example::
 
     from nblaunch.utils import is_bf16_available
-    mixed_precision = "bf16" if is_bf16_available() else "no"
+    is_bf16_available()   # True on a T4 too, where bf16 is emulated (as Accelerate says);
+                          # mixed_precision="auto" picks what each device computes fast
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def is_cuda_available() -> bool:
 
 
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
-    """bf16 compute on this machine's accelerator (CUDA with bf16), or on the CPU."""
+    """bf16 compute on this machine's accelerator (CUDA with bf16, emulated counts: Accelerate's
+    answer), or on the CPU. For the precision a device computes fast, use mixed_precision="auto"."""
     return torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch.contract import variables as v
-from nblaunch.contract.precision import precision_from_environ
+from nblaunch.contract.precision import AUTO, fast_precision, precision_from_environ
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.environment import (DistributedType, debug_mode, env_int, forces_cpu, launch_key,
                                                    uses_xla)
@@ -311,7 +311,12 @@ class AcceleratorState(PartialState):
 
     @property
     def mixed_precision(self) -> str:
-        return precision_from_environ()
+        """The launch's mixed precision (``NBLAUNCH_MIXED_PRECISION``), "auto" as this device runs it."""
+        mode = precision_from_environ()
+        if mode == AUTO:
+            capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+            mode = fast_precision(self.device.type, capability)
+        return mode
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
