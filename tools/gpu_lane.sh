@@ -2,9 +2,10 @@
 # The GPU lane of issue 31 in one command, on a machine with one CUDA GPU and no package registry:
 # a fresh venv that reuses the machine's torch, accelerate and transformers, the Jupyter stack from
 # the wheels tools/gpu_wheels.sh put in .whl/, nblaunch itself (editable), then tests/gpu (marked
-# `gpu`), then `python -m benchmarks gpu`, and a report. Well under 10 minutes.
+# `gpu`), then `python -m benchmarks gpu` (steps/s, a launch after CUDA init, the failure path), and
+# a report: 7 minutes at most, 4 with --quick (one round of each measurement).
 #
-#   bash tools/gpu_lane.sh          from the repository root (a device run: carry .whl; see below)
+#   bash tools/gpu_lane.sh [--quick]   from the repository root (a device run: carry .whl; see below)
 #
 # Writes under $OUT (./gpu-lane-out when OUT is unset), flat, 7 files: report.md (machine, versions,
 # date, each numbered item of the issue with pass/fail and numbers), benchmark.md and benchmark.json
@@ -19,11 +20,14 @@
 #
 # Environment: GPU_LANE_PYTHON (the interpreter whose packages are reused; default: python3 where
 # /opt/torch exists, else ./.venv/bin/python, else python3), GPU_LANE_VENV (default
-# $TMPDIR/nblaunch-gpu-lane-venv, made afresh), GPU_LANE_BUDGET_S (default 540: the whole lane).
+# $TMPDIR/nblaunch-gpu-lane-venv, made afresh), GPU_LANE_BUDGET_S (default 420, or 240 with --quick:
+# the whole lane).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
-budget=${GPU_LANE_BUDGET_S:-540}
+lane_quick=0
+[ "${1:-}" = "--quick" ] && lane_quick=1
+budget=${GPU_LANE_BUDGET_S:-$([ "$lane_quick" = 1 ] && echo 240 || echo 420)}
 OUT=${OUT:-$PWD/gpu-lane-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -85,9 +89,11 @@ fi
 cat "$OUT/versions.json"
 nvidia-smi 2>/dev/null || say "nvidia-smi: not here"
 
-# The tests get what is left but the benchmark's share; the benchmark the rest, fewer rounds when short.
+# The tests get what is left but the benchmark's share; the benchmark the rest, one round when short.
+# (On an H100 the tests took 88 s; the benchmark's three parts about 60 s a round.)
 left=$((budget - (SECONDS - started)))
-tests_limit=$((left - 200 < 360 ? left - 200 : 360))
+bench_share=$([ "$lane_quick" = 1 ] && echo 100 || echo 170)
+tests_limit=$((left - bench_share < 300 ? left - bench_share : 300))
 [ "$tests_limit" -lt 60 ] && tests_limit=60
 per_test=()  # one hung test must not take the others' time (pytest-timeout, where installed)
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 240)
@@ -99,9 +105,9 @@ pytest_exit=$?
 
 left=$((budget - (SECONDS - started) - 20))
 bench="not run"
-if [ "$left" -ge 90 ]; then
+if [ "$left" -ge 60 ]; then
     quick=()
-    [ "$left" -lt 200 ] && quick=(--quick)
+    { [ "$lane_quick" = 1 ] || [ "$left" -lt 150 ]; } && quick=(--quick)
     say "python -m benchmarks gpu ${quick[*]} (limit ${left} s; samples past it are not taken)"
     bench_dir=$(mktemp -d)
     NBLAUNCH_BENCH_DEADLINE=$(($(date +%s) + left - 15)) \
