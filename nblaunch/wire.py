@@ -34,6 +34,7 @@ SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the ne
 SERVER_START = b"N"  # kernel: pickled (request id, environ, cwd); a rank's four pipe ends ride on it
 SERVER_READY = b"Y"  # server: empty body: torch is imported, ranks can be asked for
 SERVER_STARTED = b"I"  # server: pickled (request id, pid)
+SERVER_FAILED = b"V"  # server: pickled (request id, what went wrong): no rank was started
 SERVER_EXITED = b"X"  # server: pickled (pid, exit code), once the rank is reaped
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,

@@ -30,9 +30,11 @@ import selectors
 import signal
 import socket
 import sys
+import traceback
 from typing import NoReturn
 
 from nblaunch import wire
+from nblaunch.contract.variables import MKL_NUM_THREADS, OMP_NUM_THREADS
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker import lifeline
 from nblaunch.worker.bootstrap import main_spawned
@@ -53,6 +55,9 @@ def main(argv: list[str]) -> NoReturn:
     lifeline.die_with_parent(kernel_pid)
     lifeline.name_process("nblaunch-server")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel to handle
+    # torch's compile workers started by an import would make this a process with threads and
+    # children of its own: the ranks, forked from here, start them if they compile.
+    os.environ.setdefault("TORCH_WARM_POOL", "0")
     connection = socket.socket(fileno=socket_fd)
     added: dict[str, str] = {}  # what the imports set in os.environ: the ranks get it too
     for module in _FIRST:
@@ -78,32 +83,47 @@ def _serve(connection: socket.socket, added: dict[str, str], later: list[str]) -
         idle = served and not children  # after a launch, before the next: nobody waits on this
         ready = selector.select(_IDLE_BEFORE_IMPORTING_S if idle and later else None)
         if not ready and idle and later:
-            added.update(import_for_ranks(later.pop(0)))
+            try:
+                added.update(import_for_ranks(later.pop(0)))
+            except Exception:  # an optimisation only: the ranks import it themselves if they need it
+                later.clear()
             continue
         for key, _ in ready:
             if key.fd == wake_read:
                 _drain(wake_read)
-                children -= _reap(connection.fileno())
+                children -= _reap(connection.fileno(), children)
                 continue
-            chunk, fds, _, _ = socket.recv_fds(connection, 1 << 16, _MAX_FDS_PER_READ)
+            chunk, fds, flags, _ = socket.recv_fds(connection, 1 << 16, _MAX_FDS_PER_READ)
             if not chunk:
                 os._exit(0)  # the kernel is gone: its ranks go with this process (their death signal)
+            if flags & socket.MSG_CTRUNC:  # descriptors dropped (this process has no room): whose is unknown
+                os.write(2, b"nblaunch launch server: descriptors were dropped (too many open files); it stops\n")
+                os._exit(1)
             received.extend(fds)
             for kind, body in reader.feed(chunk):
-                if kind == wire.SERVER_START:
-                    ends = [received.popleft() for _ in range(_PIPE_ENDS)]
-                    request_id, environ, cwd = pickle.loads(body)
-                    environ = dict(environ, **{k: v for k, v in added.items() if k not in environ})
-                    others = [connection.fileno(), wake_read, wake_write, *received]  # not the rank's
+                if kind != wire.SERVER_START:
+                    continue
+                ends = [received.popleft() for _ in range(_PIPE_ENDS)]
+                request_id, environ, cwd = pickle.loads(body)
+                environ = dict(environ, **{k: v for k, v in added.items() if k not in environ})
+                others = [connection.fileno(), wake_read, wake_write, *received]  # not the rank's
+                try:
                     pid = _fork_rank(ends, environ, cwd, others, selector)
-                    children.add(pid)
-                    wire.write_frame(connection.fileno(), wire.SERVER_STARTED, pickle.dumps((request_id, pid)))
-                    served = True
+                except OSError as error:  # no process to be had (pids.max, memory): this launch fails, not others
+                    for fd in ends:
+                        os.close(fd)
+                    wire.write_frame(connection.fileno(), wire.SERVER_FAILED, pickle.dumps((request_id, repr(error))))
+                    continue
+                children.add(pid)
+                wire.write_frame(connection.fileno(), wire.SERVER_STARTED, pickle.dumps((request_id, pid)))
+                served = True
 
 
 def _fork_rank(ends: list[int], environ: dict[str, str], cwd: str, others: list[int],
                selector: selectors.BaseSelector) -> int:
     """Fork one rank on ``ends`` (stdout, stderr, events, control); returns its pid here."""
+    sys.stdout.flush()  # nothing of the server's may reach a rank's pipes later
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
@@ -113,6 +133,14 @@ def _fork_rank(ends: list[int], environ: dict[str, str], cwd: str, others: list[
             for fd in others:  # the server's socket and pipes, other ranks' ends: never a rank's
                 os.close(fd)
             _become_rank(ends, environ, cwd)
+        except BaseException:  # before the rank could report anything itself: on its stderr pipe
+            text = "nblaunch: the launch server could not start this rank:\n" + traceback.format_exc()
+            for fd in (ends[1], 2):  # its pipe, or fd 2 once the pipe is there
+                try:
+                    os.write(fd, text.encode("utf-8", "backslashreplace"))
+                    break
+                except OSError:
+                    continue
         finally:
             os._exit(70)
     for fd in ends:
@@ -133,21 +161,27 @@ def _become_rank(ends: list[int], environ: dict[str, str], cwd: str) -> NoReturn
         os.write(2, f"nblaunch: the rank could not enter {cwd!r} ({error}); it runs in {os.getcwd()!r}\n".encode())
     os.environ.clear()  # the kernel's environment as it is now, not the server's from its start
     os.environ.update(environ)
+    torch = sys.modules.get("torch")
+    for name in (OMP_NUM_THREADS, MKL_NUM_THREADS):  # torch read them when the server imported it
+        if torch is not None and environ.get(name, "").isdigit():
+            torch.set_num_threads(int(environ[name]))
     main_spawned([str(control), str(events), str(os.getppid())])
 
 
-def _reap(fd: int) -> set[int]:
-    """Every child that has exited: reaped, and its exit code sent to the kernel; their pids."""
+def _reap(fd: int, children: set[int]) -> set[int]:
+    """Every rank of ``children`` that has exited: reaped, and its exit code sent to the kernel;
+    their pids. Only ranks: a child an import started is not ours to reap."""
     reaped = set()
-    while True:
+    for child in children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(child, os.WNOHANG)
         except ChildProcessError:
-            return reaped
+            pid, status = child, 0  # reaped already: nothing to say but that it ended
         if pid == 0:
-            return reaped
-        reaped.add(pid)
-        wire.write_frame(fd, wire.SERVER_EXITED, pickle.dumps((pid, os.waitstatus_to_exitcode(status))))
+            continue
+        reaped.add(child)
+        wire.write_frame(fd, wire.SERVER_EXITED, pickle.dumps((child, os.waitstatus_to_exitcode(status))))
+    return reaped
 
 
 def _drain(fd: int) -> None:

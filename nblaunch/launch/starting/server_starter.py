@@ -22,7 +22,6 @@ import concurrent.futures
 import itertools
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -45,27 +44,30 @@ class LaunchServer:
     """This process's launch server. Thread-safe: launches on several threads share it."""
 
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair()
-        self._socket = ours
-        fdtable.hold([ours.fileno()])  # never inherited by a rank forked from here
+        # Registered before anything can fork (a launch on another thread, a DataLoader): a copy
+        # of the server's end in any child would hide the server's death from the reader for good.
+        self._fd, theirs = fdtable.new_socketpair()
         environ = dict(os.environ)
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, environ.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "nblaunch.worker.fork_server", str(theirs.fileno()), str(os.getpid())]
+        command = [sys.executable, "-m", "nblaunch.worker.fork_server", str(theirs), str(os.getpid())]
 
         def start() -> subprocess.Popen:  # on the forking thread: the server's death signal is tied to it
-            return subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=environ,
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=(theirs,), env=environ,
                                     start_new_session=True)  # not in the kernel's group: interrupts are the kernel's
 
         try:
-            self._process = run_on_forking_thread(start, undo=lambda process: process.kill())
+            self._process = run_on_forking_thread(start, undo=_stop)
+        except BaseException:
+            fdtable.close([self._fd])
+            raise
         finally:
-            theirs.close()
+            fdtable.close([theirs])
         self._ready = threading.Event()
         self._changed = threading.Condition()
         self._started: dict[int, concurrent.futures.Future] = {}
         self._exit_codes: dict[int, int] = {}
         self._dead = False
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # also keeps the socket open while a frame is written
         self._ids = itertools.count()
         threading.Thread(target=self._read, name="nblaunch-launch-server", daemon=True).start()
 
@@ -73,26 +75,23 @@ class LaunchServer:
     def alive(self) -> bool:
         return not self._dead
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
     def start_rank(self, pipes: Pipes, environ: dict[str, str]) -> int:
         """A process forked by the server on the rank ends of ``pipes``, in ``environ`` and this
-        process's folder; its pid. Raises RuntimeError if the server cannot (it died)."""
-        if not self._ready.wait(_READY_BACKSTOP_S) or self._dead:
-            raise RuntimeError(self._why_dead())
+        process's folder; its pid. Raises RuntimeError if the server cannot (it died, or failed)."""
+        if not self._ready.wait(_READY_BACKSTOP_S):
+            self._give_up(f"it was not ready within {_READY_BACKSTOP_S:g} s")
         done: concurrent.futures.Future = concurrent.futures.Future()
         request_id = next(self._ids)
         with self._changed:
             self._started[request_id] = done
         body = pickle.dumps((request_id, environ, os.getcwd()), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with self._send_lock:
-                wire.write_frame_with_fds(self._socket.fileno(), wire.SERVER_START, body, pipes.worker_ends)
-        except OSError:
-            self._dead = True
-            raise RuntimeError(self._why_dead()) from None
+        with self._send_lock:
+            if self._dead:
+                raise RuntimeError(self._why_dead())
+            try:
+                wire.write_frame_with_fds(self._fd, wire.SERVER_START, body, pipes.worker_ends)
+            except OSError:
+                pass  # it died: the reader finds out, and answers the request
         return done.result()
 
     def exit_code(self, pid: int, wait: bool) -> int | None:
@@ -108,18 +107,31 @@ class LaunchServer:
     def _read(self) -> None:
         reader = wire.FrameReader()
         try:
-            while chunk := self._socket.recv(1 << 16):
+            while chunk := os.read(self._fd, 1 << 16):
                 for kind, body in reader.feed(chunk):
                     self._on_frame(kind, body)
-        except OSError:
+        except Exception:  # noqa: BLE001  whatever broke the reader, the waiters must hear of it
             pass
+        finally:
+            self._give_up(None)
+
+    def _give_up(self, why: str | None) -> None:
+        """The server is gone (or, with ``why``, no use): stop it, answer every waiter, close the socket."""
+        if why is not None:
+            _stop(self._process)
         with self._changed:
             self._dead = True
+            message = self._why_dead() if why is None else f"nblaunch's launch server failed: {why}"
             for done in self._started.values():
                 if not done.done():
-                    done.set_exception(RuntimeError(self._why_dead()))
+                    done.set_exception(RuntimeError(message))
             self._changed.notify_all()
         self._ready.set()  # whoever waits for it learns the server is dead
+        if why is None:  # the reader, which alone closes the socket: never a number reused under its read
+            with self._send_lock:
+                fdtable.close([self._fd])
+        else:  # the server was killed: the reader meets its end of the socket closed, and closes ours
+            raise RuntimeError(message)
 
     def _on_frame(self, kind: bytes, body: bytes) -> None:
         if kind == wire.SERVER_READY:
@@ -129,6 +141,10 @@ class LaunchServer:
             if kind == wire.SERVER_STARTED:
                 request_id, pid = pickle.loads(body)
                 self._started.pop(request_id).set_result(pid)
+            elif kind == wire.SERVER_FAILED:
+                request_id, error = pickle.loads(body)
+                self._started.pop(request_id).set_exception(RuntimeError(f"nblaunch's launch server could not "
+                                                                         f"start a rank: {error}"))
             elif kind == wire.SERVER_EXITED:
                 pid, code = pickle.loads(body)
                 self._exit_codes[pid] = code
@@ -139,6 +155,11 @@ class LaunchServer:
         return (f"nblaunch's launch server (pid {self._process.pid}) "
                 + (f"exited with code {code}" if code is not None else "stopped answering")
                 + ": see this process's stderr; the next launch starts a new one")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait()
 
 
 class ServerChild:
