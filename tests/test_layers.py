@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
     ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
-     "nblaunch.preimport"],
+     "nblaunch.preimport", "nblaunch.after_import"],
     ["nblaunch.worker", "nblaunch.display"],
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],

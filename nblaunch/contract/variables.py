@@ -27,6 +27,10 @@ MASTER_PORT = "MASTER_PORT"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+# "True": the launcher hosts the rendezvous store (as torchrun's agent does); every rank is its client.
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+# "1": init_process_group returns once every rank's group is connected (torch's store barrier).
+TORCH_DIST_INIT_BARRIER = "TORCH_DIST_INIT_BARRIER"
 
 # nblaunch's own.
 MIXED_PRECISION = "NBLAUNCH_MIXED_PRECISION"  # the launch's mixed_precision=, for Accelerator()

@@ -31,6 +31,7 @@ from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.rendezvous import hosted_store
 from nblaunch.launch.starting.base import Starter, kill_and_reap
 from nblaunch.launch.starting.fork import ForkStarter
 from nblaunch.launch.starting.packing import Payload, package
@@ -82,6 +83,12 @@ class LocalHome:
     @contextlib.contextmanager
     def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
                 log_dir: str) -> Iterator[Supervisor]:
+        with hosted_store(plan), self._ranks(plan, emit, time_left, log_dir) as supervisor:
+            yield supervisor
+
+    @contextlib.contextmanager
+    def _ranks(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
+               log_dir: str) -> Iterator[Supervisor]:
         record = None
         workers: list[WorkerProcess] = []
         supervisor: Supervisor | None = None

@@ -26,6 +26,7 @@ from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
 from nblaunch.worker import calls, channel, lifeline, payload
 from nblaunch.worker.control import ControlSocket
+from nblaunch.worker.own_meeting_point import meet_at_the_launchers_store_only
 from nblaunch.worker.inherited import forget_accelerate_state, leave_interactive_session
 from nblaunch.worker.progress import install_progress_hooks
 from nblaunch.worker.reports import RankGuard, describe, send_failure
@@ -118,6 +119,8 @@ def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, ar
 
 def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     os.environ.update(settings.environ)
+    if v.TORCHELASTIC_USE_AGENT_STORE in settings.environ:
+        meet_at_the_launchers_store_only(settings.environ[v.MASTER_PORT])
     lifeline.set_process_name(str(settings.rank))
     lifeline.become_subreaper()
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -81,6 +81,11 @@ class LaunchPlan:
             # (a mismatch is a clear error instead of a hang waiting for ranks that never come).
             v.TORCHELASTIC_RUN_ID: request.run_id,
         }
+        if self.device_kind != "xla":
+            # The store lives in node 0's launcher, not in rank 0, and no rank leaves
+            # init_process_group before every rank's group is connected: see launch/rendezvous.py.
+            env[v.TORCHELASTIC_USE_AGENT_STORE] = str(True)
+            env[v.TORCH_DIST_INIT_BARRIER] = "1"
         if self.device_kind == "cpu" and self.world_size > 1:
             # Without it Accelerate's state joins no process group on a CPU: every rank would
             # train the whole data set alone. (With one rank it would make a group of one.)

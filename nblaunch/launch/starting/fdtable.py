@@ -67,6 +67,13 @@ def close(fds: Iterable[int]) -> None:
                 pass
 
 
+def forget(fds: Iterable[int]) -> None:
+    """Stop closing these in children, without closing them here: whoever they were handed to
+    (a rendezvous store owns its listening socket) closes them."""
+    with _lock:
+        _fds.difference_update(fds)
+
+
 @contextlib.contextmanager
 def forking(keep: Iterable[int]) -> Iterator[None]:
     """Around the ``os.fork()`` that starts a rank: the child keeps ``keep`` (its own ends) and

@@ -1,0 +1,98 @@
+"""The rendezvous store lives in the launcher, not in rank 0 (``nblaunch.launch.rendezvous``).
+
+In rank 0 it died the moment rank 0 returned, and a peer still joining the group failed with
+"Connection reset by peer": the first function people try (join, return the rank) failed now and
+then. These tests fail deterministically where rank 0 hosts the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import select
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nblaunch import LaunchConfigError, notebook_launcher
+from nblaunch.launch.planning import ports
+from nblaunch.launch.planning.plan import plan_here
+from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.rendezvous import hosted_store
+
+
+def _store_outlives_rank_0():
+    dist.init_process_group("gloo")
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("rank 0 pid", str(os.getpid()))
+        return "left"
+    pid = int(store.get("rank 0 pid"))
+    pidfd = os.pidfd_open(pid)
+    select.select([pidfd], [], [], 120)  # until rank 0's process is gone (120 s: a backstop)
+    os.close(pidfd)
+    store.set("after rank 0", "still here")
+    return store.get("after rank 0").decode()
+
+
+def test_the_store_outlives_rank_0():
+    assert notebook_launcher(_store_outlives_rank_0, num_processes=2, display="none") == ["left", "still here"]
+
+
+def _join_and_return():
+    dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
+def test_a_rank_that_returns_as_soon_as_it_joined_never_breaks_its_peers_join():
+    # The race needs luck to show; the store barrier removes it, so every one of these passes.
+    for _ in range(5):
+        assert notebook_launcher(_join_and_return, num_processes=3, display="none") == [0, 1, 2]
+
+
+def test_every_rank_is_the_stores_client_and_waits_for_every_group():
+    environ = plan_here(LaunchRequest(_join_and_return, num_processes=2)).rank_environ(0)
+    assert environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert environ["TORCH_DIST_INIT_BARRIER"] == "1"
+
+
+def test_a_port_taken_after_it_was_chosen_is_a_clear_error():
+    plan = plan_here(LaunchRequest(_join_and_return, num_processes=2))
+    with socket.socket() as thief:
+        thief.bind((plan.master_addr, plan.master_port))
+        thief.listen()
+        with pytest.raises(LaunchConfigError, match=rf"port {plan.master_port} is already in use.*use_port=None"):
+            with hosted_store(plan):
+                pass
+
+
+def test_the_store_stops_with_the_attempt():
+    plan = plan_here(LaunchRequest(_join_and_return, num_processes=2))
+    with hosted_store(plan):
+        with socket.create_connection((plan.master_addr, plan.master_port), timeout=30):
+            pass
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((plan.master_addr, plan.master_port), timeout=30).close()
+
+
+def _tutorial_setup(port: int, how: str):
+    # As torch's DDP tutorial writes it: a meeting point of the code's own.
+    if how == "env":
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
+        dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    dist.barrier()  # every rank done with rank 0's store before rank 0 leaves
+    return float(t)
+
+
+@pytest.mark.parametrize("how", ["env", "tcp"])
+def test_code_that_names_its_own_meeting_point_meets_there(how):
+    port = ports.choose_port("127.0.0.1", None, hosted_here=True)
+    assert notebook_launcher(_tutorial_setup, args=(port, how), num_processes=2, display="none",
+                             timeout=120) == [3.0, 3.0]
