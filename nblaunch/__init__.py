@@ -26,9 +26,12 @@ from nblaunch.launch.errors import (
     LaunchTimeoutError,
     RankFailedError,
 )
+from nblaunch.launch.planning import cuda_culprit
 from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.progress import progress
+
+cuda_culprit.watch()  # so a launch after CUDA was initialised can name the line that did it
 
 # The training side (torch.nn, DDP, ...) loads on first use, not when the launcher is imported.
 _TRAINING_NAMES = {

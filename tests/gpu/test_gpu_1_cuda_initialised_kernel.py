@@ -42,7 +42,9 @@ def launch_and_time(**options):
 
 CUDA_STATE = ("import torch\nprint('CUDA_STATE', torch.cuda.is_initialized(), cuda_driver_initialised())")
 
-SPAWN_LINE = re.compile(r"^nblaunch: .*started by spawn \(CUDA is already initialised in this process.*$", re.M)
+# The line names the cell's line that initialised CUDA (nblaunch was imported before it).
+SPAWN_LINE = re.compile(r"^nblaunch: .*started by spawn \(CUDA was initialised in this process at cell In\[\d+\], "
+                        r"line 2: torch\.zeros\(1, device='cuda'\).*$", re.M)
 
 
 def run_notebook(tmp_path, cells: list[str]) -> list:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -27,19 +26,9 @@ import torch
 
 from nblaunch.launch.planning import devices
 from nblaunch.launch.planning.plan import start_method_for
+from stand_ins import FAKE_NVML, run_child, stand_in_library
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def run_child(script: str, tmp_path, env: dict | None = None, timeout: float = 180) -> tuple[dict, str]:
-    """Run ``script`` in a fresh interpreter; its ``RESULT {json}`` line and everything it printed."""
-    path = tmp_path / "child.py"
-    path.write_text(script)
-    proc = subprocess.run([sys.executable, str(path)], cwd=str(tmp_path), capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    [line] = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):]), proc.stdout
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks a CPU build of torch; tests/gpu checks CUDA builds")
@@ -85,32 +74,55 @@ def test_cuda_initialised_in_the_launcher_spawns_says_so_in_one_line_and_refuses
     assert len(found["spawned"]) == 2 and found["parent"] not in found["spawned"]
     spawn_lines = [l for l in printed.splitlines() if "started by spawn" in l]
     assert len(spawn_lines) == 1, printed
-    assert re.search(r"started by spawn \(CUDA is already initialised in this process, and forked workers could "
-                     r"not use it\)", spawn_lines[0])
+    # torch said CUDA was initialised before nblaunch was imported: the line could not be seen.
+    assert re.search(r"started by spawn \(CUDA was initialised in this process before nblaunch was imported "
+                     r"\(import nblaunch first to have the line named\), and forked workers could not use it\)",
+                     spawn_lines[0])
     assert found["fork"] == (
-        "start_method='fork' would break CUDA in the workers: CUDA is already initialised in this process. Use "
-        "start_method=None (nblaunch then spawns), or move the CUDA code into the function.")
+        "start_method='fork' would break CUDA in the workers: CUDA was already initialised in this process, before "
+        "nblaunch was imported (import nblaunch first to have the line named). Use start_method=None (nblaunch then "
+        "starts the ranks from its launch server), or move the CUDA code into the function.")
     # cpu=True hides the GPUs from the ranks: nothing there uses CUDA, so the quick fork is safe.
     assert len(found["cpu"]) == 1 and "started by fork (the quickest start" in printed
 
 
-FAKE_NVML = r'''
-#include <stdlib.h>
-int nvmlInit_v2(void) { return 0; }
-int nvmlShutdown(void) { return 0; }
-int nvmlDeviceGetCount_v2(unsigned int *count) {
-    const char *gpus = getenv("FAKE_NVML_GPUS");
-    *count = gpus ? (unsigned int) atoi(gpus) : 0;
-    return 0;
-}
-int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device) { *device = (void *) 1; return 0; }
-int nvmlDeviceGetCudaComputeCapability(void *device, int *major, int *minor) {
-    const char *cc = getenv("FAKE_NVML_CC");  /* "7.5": a T4 */
-    *major = cc ? atoi(cc) : 8;
-    *minor = cc ? atoi(cc + 2) : 0;
-    return 0;
-}
+NAMED_LINE = '''
+import json
+import nblaunch          # first: it watches for torch.cuda to load
+import torch
+from nblaunch.launch.planning import cuda_culprit, plan
+
+def set_up_the_gpu():
+    # What torch's lazy CUDA initialisation does first, on the stack of whatever asked for CUDA
+    # (a CPU build stops before it): run the calls queued with torch.cuda._lazy_call.
+    for queued, _ in torch.cuda._queued_calls: queued()
+
+set_up_the_gpu()
+torch.cuda._initialized = True
+print("RESULT " + json.dumps([cuda_culprit.where_cuda_started(), plan.start_method_for(None, False)]))
 '''
+
+
+def test_the_line_that_initialised_cuda_is_named(tmp_path):
+    (line, (method, reason)), _ = run_child(NAMED_LINE, tmp_path)
+    assert line == "child.py, line 10: for queued, _ in torch.cuda._queued_calls: queued()"
+    assert method == "spawn"
+    assert reason == f"CUDA was initialised in this process at {line}, and forked workers could not use it"
+
+
+DRIVER_ONLY = '''
+import json
+import nblaunch, torch
+from nblaunch.launch.planning import devices, plan
+devices.cuda_initialized = lambda: True   # the driver's own state, which a CPU machine cannot reach
+print("RESULT " + json.dumps(plan.start_method_for(None, False)))
+'''
+
+
+def test_cuda_started_by_the_driver_alone_is_said_with_what_does_that(tmp_path):
+    (method, reason), _ = run_child(DRIVER_ONLY, tmp_path)
+    assert method == "spawn" and "torch.cuda.is_available()" in reason and "PYTORCH_NVML_BASED_CUDA_CHECK=1" in reason
+
 
 ONE_GPU_MACHINE = '''
 import json, os
@@ -145,19 +157,6 @@ print("RESULT " + json.dumps(out), flush=True)
 def one_gpu_driver(tmp_path):
     """The environment of a child interpreter that finds a driver reporting one NVIDIA GPU."""
     return {**stand_in_library(tmp_path, "libnvidia-ml.so.1", FAKE_NVML), "FAKE_NVML_GPUS": "1", "FAKE_NVML_CC": "7.5"}
-
-
-def stand_in_library(tmp_path, name: str, source: str) -> dict[str, str]:
-    """Build a stand-in for a driver library (``source``, C) with the C compiler; the environment
-    of a child interpreter that loads it instead of the real one."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip(f"no C compiler to build the stand-in {name}")
-    lib = tmp_path / "driver"
-    lib.mkdir(exist_ok=True)
-    (lib / f"{name}.c").write_text(source)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / name), str(lib / f"{name}.c")], check=True)
-    return {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")]))}
 
 
 def test_a_one_gpu_machine_refuses_two_gpu_ranks_and_runs_cpu_ranks(tmp_path, one_gpu_driver):

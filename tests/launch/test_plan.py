@@ -33,7 +33,7 @@ def test_cuda_already_initialised_here_means_spawn_and_fork_is_refused(monkeypat
     # This machine has no GPU: stand in for the one probe that would say CUDA is initialised.
     monkeypatch.setattr(devices, "cuda_initialized", lambda: True)
     chosen = plan()
-    assert chosen.start_method == "spawn" and "CUDA is already initialised" in chosen.start_reason
+    assert chosen.start_method == "spawn" and "CUDA was initialised in this process" in chosen.start_reason
     with pytest.raises(LaunchConfigError, match="start_method='fork' would break CUDA"):
         plan(start_method="fork")
     assert plan(cpu=True).start_method == "fork"  # debug_launcher hides the GPUs

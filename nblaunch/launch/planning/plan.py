@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from nblaunch.contract import variables as v
 from nblaunch.contract.precision import AUTO, fast_precision
 from nblaunch.launch.errors import LaunchConfigError
-from nblaunch.launch.planning import devices, ports, tpu
+from nblaunch.launch.planning import cuda_culprit, devices, ports, tpu
 from nblaunch.launch.planning.request import START_METHODS, LaunchRequest
 from nblaunch.launch.planning.threads import threads_per_worker
 
@@ -129,12 +129,15 @@ def start_method_for(requested: str | None, cpu: bool) -> tuple[str, str]:
             raise LaunchConfigError(f"start_method='fork' is not safe on {sys.platform}; use start_method=None")
         return "spawn", f"fork is not safe on {sys.platform}"
     if cuda_in_parent:
+        line = cuda_culprit.where_cuda_started()
+        where = f"at {line}" if line else cuda_culprit.unseen_reason()
         if requested == "fork":
             raise LaunchConfigError(
-                "start_method='fork' would break CUDA in the workers: CUDA is already initialised in this "
-                "process. Use start_method=None (nblaunch then spawns), or move the CUDA code into the function."
+                f"start_method='fork' would break CUDA in the workers: CUDA was already initialised in this "
+                f"process, {where}. Use start_method=None (nblaunch then starts the ranks from its launch "
+                "server), or move the CUDA code into the function."
             )
-        return "spawn", "CUDA is already initialised in this process, and forked workers could not use it"
+        return "spawn", f"CUDA was initialised in this process {where}, and forked workers could not use it"
     if requested == "fork":
         return "fork", "asked for with start_method='fork'"
     return "fork", "the quickest start: each process begins as a copy of this one"
