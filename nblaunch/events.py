@@ -119,6 +119,34 @@ class Stacks:
 
 
 @dataclass(frozen=True)
+class RankDevice:
+    """What a rank computes on, said by its ``Accelerator`` when made: ``"cuda:0"``, ``"bf16"``."""
+
+    rank: int
+    device: str
+    precision: str
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """A rank's GPU as NVML saw it a moment ago: the GPU's index, its utilisation (percent) and
+    memory; ``memory_used`` is the rank's own where NVML names its process, else the GPU's."""
+
+    rank: int
+    gpu: int
+    utilization: int
+    memory_used: int
+    memory_total: int
+    own_memory: bool
+
+    @property
+    def line(self) -> str:
+        """``GPU 0 · 87% · 12.1/80 GB``, the same in every display."""
+        gb = 1 << 30
+        return f"GPU {self.gpu} · {self.utilization}% · {self.memory_used / gb:.1f}/{self.memory_total / gb:.0f} GB"
+
+
+@dataclass(frozen=True)
 class RankFinished:
     """A rank reached a final state. ``detail`` says why for failed and stopped ranks."""
 
@@ -181,7 +209,7 @@ class LaunchFinished:
 
 Event = (
     LaunchStarted | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
-    | LaunchRestarting | LaunchFinished | CallFinished
+    | LaunchRestarting | LaunchFinished | CallFinished | RankDevice | GpuUsage
 )
 
 

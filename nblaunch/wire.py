@@ -21,6 +21,7 @@ PROGRESS = b"P"  # pickled (bar_id, n, total, desc, closed, auto)
 STACKS = b"S"  # utf-8 text: every thread's stack
 CLEANED = b"C"  # empty body: the process stopped everything it had started, and is leaving
 CALL_RESULT = b"A"  # warm ranks: pickled (call_id, return value of the call)
+DEVICE = b"G"  # pickled (device, mixed precision) of the rank's Accelerator, when it is made
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)

@@ -128,8 +128,10 @@ def ranks_html(view: LaunchView, now: float) -> str:
     """
     ranks = list(view.ranks.values())
     with_bars = any(rank.shown_bars() for rank in ranks)
-    rows = "".join(_rank_row(rank, now, with_bars, live=view.finished is None) for rank in ranks)
-    names = ("rank", "state", "elapsed") + (("progress",) if with_bars else ()) + ("last line",)
+    with_devices = any(rank.device or rank.gpu for rank in ranks)
+    rows = "".join(_rank_row(rank, now, with_bars, with_devices, live=view.finished is None) for rank in ranks)
+    names = (("rank", "state", "elapsed") + (("device",) if with_devices else ()) + (("progress",) if with_bars else ())
+             + ("last line",))
     head = "".join(f'<th style="{_CELL} font-weight: 600; white-space: nowrap">{name}</th>' for name in names)
     return (
         f'<div class="nbl-ranks-box" style="overflow-x: auto; max-width: 100%">'
@@ -144,7 +146,7 @@ def ranks_html(view: LaunchView, now: float) -> str:
 _CELL = "padding: 3px 8px; text-align: left; vertical-align: top;"
 
 
-def _rank_row(rank: RankView, now: float, with_bars: bool, live: bool) -> str:
+def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, live: bool) -> str:
     running = rank.state is RankState.RUNNING and live
     if rank.started_t is None:
         elapsed = ""
@@ -165,16 +167,28 @@ def _rank_row(rank: RankView, now: float, with_bars: bool, live: bool) -> str:
     if with_bars:
         bars = "".join(_bar(bar, rank_colour(rank.rank), running) for bar in rank.shown_bars())
         progress = f'<td style="{_CELL} width: 1%">{bars}</td>'
+    device = f'<td class="nbl-device" style="{_CELL} width: 1%; white-space: nowrap">{_device(rank)}</td>' if with_devices else ""
     return (
         f'<tr class="nbl-rank" data-rank="{rank.rank}" data-state="{rank.state.value}">'
         f'<td style="{_CELL} width: 1%; color: {rank_colour(rank.rank)}; font-weight: 600">{rank.rank}</td>'
         f'<td style="{_CELL} width: 1%">{state}</td>'
-        f'<td style="{_CELL} width: 1%; white-space: nowrap">{elapsed}</td>{progress}'
+        f'<td style="{_CELL} width: 1%; white-space: nowrap">{elapsed}</td>{device}{progress}'
         # width 100% with max-width 0: the column gets what the others (1%: as narrow as their
         # content) leave, and its text is cut there instead of widening the table.
         f'<td class="nbl-last" title="{escape(_ANSI.sub("", last))}" style="{_CELL} {MONO} width: 100%; max-width: 0; '
         f'overflow: hidden; text-overflow: ellipsis; white-space: nowrap">{last_html}</td></tr>'
     )
+
+
+def _device(rank: RankView) -> str:
+    """``cuda:0 · bf16`` (what its Accelerator said), over ``GPU 0 · 87% · 12.1/80 GB`` (NVML)."""
+    parts = []
+    if rank.device is not None:
+        parts.append(plain_text(f"{rank.device.device} · {rank.device.precision}"))
+    if rank.gpu is not None:
+        whose = "this rank's memory" if rank.gpu.own_memory else "the GPU's memory (NVML names no process of the rank)"
+        parts.append(f'<div class="nbl-gpu" title="{escape(whose)}" style="{MUTED}">{plain_text(rank.gpu.line)}</div>')
+    return "".join(parts)
 
 
 def _bar(bar: Bar, colour: str, running: bool) -> str:

@@ -22,12 +22,14 @@ from nblaunch.display.logring import LogLine, LogRing
 from nblaunch.display.series import Series
 from nblaunch.events import (
     Event,
+    GpuUsage,
     LaunchFinished,
     LaunchRestarting,
     LaunchStarted,
     Metrics,
     Output,
     Progress,
+    RankDevice,
     RankFinished,
     RankStarted,
     RanksPlaced,
@@ -81,6 +83,8 @@ class RankView:
     stacks: str | None = None
     stacks_why: str = "stop"  # see nblaunch.events.Stacks
     stacks_at: str = ""  # wall-clock time the stacks came, for the reader
+    device: RankDevice | None = None  # what its Accelerator computes on, and in which precision
+    gpu: GpuUsage | None = None  # its GPU a moment ago
 
     def shown_bars(self) -> list[Bar]:
         """Open bars (outer loop first), or the last finished one."""
@@ -150,6 +154,12 @@ class LaunchView:
             rank.state, rank.detail, rank.exitcode = event.state, event.detail, event.exitcode
             rank.finished_t = now
             self.dirty |= {RANKS, HEADER}
+        elif isinstance(event, RankDevice):
+            self.rank(event.rank).device = event
+            self.dirty.add(RANKS)
+        elif isinstance(event, GpuUsage):
+            self.rank(event.rank).gpu = event
+            self.dirty.add(RANKS)
         elif isinstance(event, Stacks):
             rank = self.rank(event.rank)
             rank.stacks, rank.stacks_why, rank.stacks_at = event.text, event.why, time.strftime("%H:%M:%S")

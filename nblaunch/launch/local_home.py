@@ -38,6 +38,7 @@ from nblaunch.launch.starting.packing import Payload, package
 from nblaunch.launch.starting.processes import WorkerProcess
 from nblaunch.launch.starting.server_starter import ServerStarter
 from nblaunch.launch.starting.spawn import SpawnStarter
+from nblaunch.launch.supervising.gpu_usage import GpuSampler
 from nblaunch.launch.supervising.supervisor import Supervisor
 
 def _xla_host_starter() -> Starter:
@@ -83,12 +84,17 @@ class LocalHome:
     @contextlib.contextmanager
     def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
                 log_dir: str) -> Iterator[Supervisor]:
-        with hosted_store(plan), self._ranks(plan, emit, time_left, log_dir) as supervisor:
-            yield supervisor
+        gpus = GpuSampler.open() if plan.device_kind == "cuda" else None
+        try:
+            with hosted_store(plan), self._ranks(plan, emit, time_left, log_dir, gpus) as supervisor:
+                yield supervisor
+        finally:
+            if gpus is not None:
+                gpus.close()
 
     @contextlib.contextmanager
     def _ranks(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
-               log_dir: str) -> Iterator[Supervisor]:
+               log_dir: str, gpus: GpuSampler | None) -> Iterator[Supervisor]:
         record = None
         workers: list[WorkerProcess] = []
         supervisor: Supervisor | None = None
@@ -100,7 +106,7 @@ class LocalHome:
                 pipes=[end for w in workers for end in w.rank_pipe_ends()],
             )
             record.save()
-            supervisor = Supervisor(workers, emit, time_left)
+            supervisor = Supervisor(workers, emit, time_left, gpus)
             yield supervisor
         except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway

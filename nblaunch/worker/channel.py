@@ -85,6 +85,11 @@ def log_metrics(values: dict[str, float], step: int | None = None) -> bool:
     return send(wire.METRICS, pickle.dumps((plain, step)))
 
 
+def report_device(device: str, precision: str) -> bool:
+    """Tell the launcher what this rank computes on (its row shows it): ``("cuda:0", "bf16")``."""
+    return send(wire.DEVICE, pickle.dumps((device, precision)))
+
+
 def report_progress(
     bar_id: int, n: float, total: float | None, desc: str = "", closed: bool = False, auto: bool = False
 ) -> bool:

@@ -129,3 +129,47 @@ def test_warm_ranks_form_an_nccl_group_on_the_gpu_and_the_accelerator_adopts_it(
     assert result["backend"] == result["adopted"] == "nccl" and result["device"] == "cuda:0"
     assert set(result["devices"].values()) == {"cuda:0"}
     assert result["all_reduce"] == [0, 1, 2, 3]
+
+
+class _SeesItsGpu:
+    """A display that keeps what a rank's row would show, and lets the rank go once NVML named it."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag, self.devices, self.usages = flag, [], []
+
+    def on_event(self, event) -> None:
+        from nblaunch.events import GpuUsage, RankDevice
+
+        if isinstance(event, RankDevice):
+            self.devices.append(event)
+        elif isinstance(event, GpuUsage):
+            self.usages.append(event)
+            if event.own_memory:
+                open(self.flag, "w").close()
+
+    def close(self) -> None:
+        pass
+
+
+def holds_memory_until_seen(flag: str) -> int:
+    import os
+    import time
+
+    from nblaunch import Accelerator
+
+    accelerator = Accelerator(mixed_precision="auto")
+    held = torch.empty(256 << 20, dtype=torch.uint8, device=accelerator.device)  # 256 MiB
+    deadline = time.monotonic() + 60  # a backstop: the launcher samples every 2 s
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return held.numel()
+
+
+def test_the_ranks_row_shows_its_device_precision_and_its_gpus_memory(tmp_path, record_property):
+    seen = _SeesItsGpu(str(tmp_path / "seen"))
+    notebook_launcher(holds_memory_until_seen, args=(seen.flag,), num_processes=1, display=seen, timeout=120)
+    [device] = seen.devices
+    own = [u for u in seen.usages if u.own_memory]
+    record_property("row", f"{device.device} · {device.precision} | {own[0].line if own else seen.usages}")
+    assert device.device == "cuda:0" and device.precision in ("bf16", "fp16")
+    assert own and own[0].memory_used >= 256 << 20 and own[0].memory_total > own[0].memory_used

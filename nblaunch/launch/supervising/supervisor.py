@@ -19,12 +19,13 @@ import time
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.events import (CallFinished, Event, Metrics, Output, Progress, RankFinished,
+from nblaunch.events import (CallFinished, Event, Metrics, Output, Progress, RankDevice, RankFinished,
                              RankStarted, RankState, Stacks)
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
 from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.supervising.gpu_usage import SAMPLE_EVERY_S, GpuSampler
 from nblaunch.launch.starting.processes import WorkerProcess
 from nblaunch.launch.supervising.interrupts import interrupts_wait
 from nblaunch.launch.supervising.quiet import QUIET_STACKS_S, QuietWatch
@@ -47,8 +48,11 @@ _FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "ev
 class Supervisor:
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
-    def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None):
+    def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
+                 gpus: GpuSampler | None = None):
         self._emit = emit
+        self._gpus = gpus  # each rank's GPU, sampled every SAMPLE_EVERY_S for its row
+        self._next_sample = 0.0
         self._timeout = timeout
         self._processes = processes
         self._ranks = {pipes.rank: WatchedRank(pipes, process) for process in processes for pipes in process.ranks}
@@ -88,7 +92,11 @@ class Supervisor:
         try:
             while self._live():
                 now = time.monotonic()
-                waits = [w for w in (None if deadline is None else deadline - now, self._quiet.wait(now)) if w is not None]
+                if self._gpus is not None and now >= self._next_sample:
+                    self._sample_gpus(now)
+                sample_wait = None if self._gpus is None else self._next_sample - now
+                waits = [w for w in (None if deadline is None else deadline - now, self._quiet.wait(now), sample_wait)
+                         if w is not None]
                 self._pump(max(0.0, min(waits)) if waits else None)
                 if self._output_trickle and not self._stopping:
                     # Chatty ranks: a wake-up per few lines costs the launcher more CPU than the
@@ -122,6 +130,12 @@ class Supervisor:
         if failures:
             raise self._failure_error(failures)
         return [self._ranks[r].result for r in sorted(self._ranks)]
+
+    def _sample_gpus(self, now: float) -> None:
+        self._next_sample = now + SAMPLE_EVERY_S
+        live = {r.number: r.process.pid for r in self._live()}
+        for usage in self._gpus.sample(live) if live else ():
+            self._emit(usage)
 
     def cancel(self, raising: BaseException | None = None) -> None:
         """Stop the launch as an interrupt would (stacks, then stop), then raise ``raising``
@@ -275,6 +289,9 @@ class Supervisor:
                 self._fail(rank, RankFailure(r, f"its call's return value could not be unpickled here: {error!r}"))
                 return
             self._emit(CallFinished(rank=r, call_id=call_id, result=value))
+        elif kind == wire.DEVICE:
+            device, precision = pickle.loads(body)
+            self._emit(RankDevice(rank=r, device=device, precision=precision))
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
 

@@ -44,6 +44,7 @@ from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfigur
 from nblaunch.training.options.project import ProjectConfiguration, project_configuration
 from nblaunch.training.runtime.state import AcceleratorState, DistributedType
 from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.worker import channel
 from nblaunch.training.tracking.choose import choose_trackers
 
 __all__ = ["Accelerator"]
@@ -206,6 +207,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self._trigger = False
         self.trackers = []
         self._accumulate_context = None
+        channel.report_device(str(self.device), self.mixed_precision)  # the rank's row in the cell says it
 
     def __repr__(self) -> str:
         return (f"Accelerator(process {self.process_index}/{self.num_processes}, device={self.device}, "
