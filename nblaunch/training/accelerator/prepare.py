@@ -86,7 +86,9 @@ class PrepareMethods(AcceleratorHost):
         before = dict(model.named_parameters())
         if device_placement and not shard:  # sharding moves one unit at a time, or offloads
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
-        if self._autocast_dtype is not None and not isinstance(model.__dict__.get("forward"), AutocastForward):
+        # A sharded model computes in its policy's dtype, without autocast, as under Accelerate's
+        # FSDP2 (autocast would run its LayerNorms and softmaxes in fp32 and train differently).
+        if self._autocast_dtype is not None and not shard and not isinstance(model.__dict__.get("forward"), AutocastForward):
             model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
         if shard:
             self.state.ensure_process_group()

@@ -113,12 +113,13 @@ def sharding_settings(plugin: Any, mixed_precision: str) -> ShardingSettings:
     """Check ``plugin`` (ours or Accelerate's) and return what it asks for.
 
     ``mixed_precision`` is the Accelerator's: without a policy of the plugin's own, ``"bf16"`` or
-    ``"fp16"`` compute in that dtype on full-precision parameters and reduce gradients in fp32.
+    ``"fp16"`` compute, reduce gradients and give outputs in that dtype on full-precision
+    parameters, as Accelerate's plugin does.
 
     Example::
 
         sharding_settings(FullyShardedDataParallelPlugin(reshard_after_forward=False), "bf16")
-        # ShardingSettings(reshard_after_forward=False, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ...)
+        # ShardingSettings(reshard_after_forward=False, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, ...)
     """
     read = functools.partial(getattr, plugin)
     version = read("fsdp_version", None)
@@ -190,7 +191,9 @@ def _reshard(reshard_after_forward: Any, sharding_strategy: Any) -> bool:
 def _precision(policy: Any, mixed_precision: str) -> dict[str, Any]:
     if policy is None:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
-        return {"param_dtype": dtype, "reduce_dtype": torch.float32 if dtype is not None else None}
+        # Accelerate's own policy (FullyShardedDataParallelPlugin.set_mixed_precision): gradients
+        # reduced and outputs given in the compute dtype, so a loop trains to the same numbers.
+        return {"param_dtype": dtype, "reduce_dtype": dtype, "output_dtype": dtype}
     if isinstance(policy, str):
         if policy.lower() not in _DTYPES:
             raise ValueError(f"mixed_precision_policy={policy!r}: give 'bf16', 'fp16', 'fp32', a dict or a "
