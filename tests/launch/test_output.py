@@ -162,3 +162,28 @@ def test_after_a_chatty_stretch_a_quiet_rank_writes_each_line_at_once_again(reco
         notebook_launcher(chatty_then_quiet, num_processes=1, display=recorder)
     lines = recorder.lines(0)
     assert lines == [f"line {i}" for i in range(20000)] + ["the last words"]
+
+
+def printing_threads(threads: int, lines: int) -> None:
+    import threading
+
+    def prints(t: int) -> None:
+        for i in range(lines):
+            print(f"t{t} line {i}")  # two writes: the text, then the newline
+
+    started = [threading.Thread(target=prints, args=(t,)) for t in range(threads)]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join()
+
+
+def test_threads_that_print_at_once_lose_no_line_and_split_none(recorder):
+    # CPython's TextIOWrapper drops text when threads write while it flushes (gh-119506): 4
+    # threads x 2000 lines kept 7481 of 8000, some cut into others' lines.
+    notebook_launcher(printing_threads, args=(4, 2000), num_processes=2, display=recorder)
+    log_dir = Path(recorder.of(LaunchStarted)[0].log_dir)
+    expected = sorted(f"t{t} line {i}" for t in range(4) for i in range(2000))
+    for rank in (0, 1):
+        assert sorted(recorder.lines(rank)) == expected
+        assert sorted((log_dir / f"rank{rank}.log").read_text().splitlines()) == expected
