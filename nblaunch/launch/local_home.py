@@ -31,7 +31,7 @@ from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.rendezvous import hosted_store
+from nblaunch.launch.rendezvous import Rendezvous
 from nblaunch.launch.starting.base import Starter, kill_and_reap
 from nblaunch.launch.starting.fork import ForkStarter
 from nblaunch.launch.starting.packing import Payload, package
@@ -86,7 +86,8 @@ class LocalHome:
                 log_dir: str) -> Iterator[Supervisor]:
         gpus = GpuSampler.open() if plan.device_kind == "cuda" else None
         try:
-            with hosted_store(plan), self._ranks(plan, emit, time_left, log_dir, gpus) as supervisor:
+            with Rendezvous(plan) as rendezvous, self._ranks(plan, emit, time_left, log_dir, gpus,
+                                                             rendezvous) as supervisor:
                 yield supervisor
         finally:
             if gpus is not None:
@@ -94,12 +95,13 @@ class LocalHome:
 
     @contextlib.contextmanager
     def _ranks(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
-               log_dir: str, gpus: GpuSampler | None) -> Iterator[Supervisor]:
+               log_dir: str, gpus: GpuSampler | None, rendezvous: Rendezvous) -> Iterator[Supervisor]:
         record = None
         workers: list[WorkerProcess] = []
         supervisor: Supervisor | None = None
         try:
             workers = self._starter.start(plan, self._inherited)
+            rendezvous.serve()  # only now: see launch/rendezvous.py
             record = registry.LaunchRecord(
                 launch_id=self._launch_id, launcher_pid=os.getpid(), port=plan.master_port,
                 ranks=[(w.pid, proctree.start_ticks(w.pid)) for w in workers], log_dir=log_dir,

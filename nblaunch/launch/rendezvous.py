@@ -9,17 +9,23 @@ it outlives every rank of the attempt, and ``TORCH_DIST_INIT_BARRIER=1`` (``Laun
 keeps every rank in ``init_process_group`` until every rank's group is connected. A rank that
 returns early still breaks a peer's *later* collective at once, so uneven work is named, not hung.
 
+The store serves from a thread of the launcher, and a thread must never run while the launcher
+forks a rank: it resolves each client's address with glibc's resolver, and a rank forked while
+it held the resolver's lock would wait for that lock for ever, in its own first connection to the
+store (seen: 1 launch in a few hundred). So the socket listens before the ranks start (a rank's
+connection waits in its backlog) and the store begins to serve once every rank is forked.
+
 Example (what ``LocalHome.attempt`` does around starting the ranks)::
 
-    with hosted_store(plan):
+    with Rendezvous(plan) as rendezvous:     # listening, nothing served yet
         workers = starter.start(plan, environ)
+        rendezvous.serve()                   # every rank forked: the store's thread may start
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from typing import Iterator
+from typing import Any
 
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
@@ -31,27 +37,43 @@ def hosts_store(plan: LaunchPlan) -> bool:
     return plan.node_rank == 0 and plan.device_kind != "xla"
 
 
-@contextlib.contextmanager
-def hosted_store(plan: LaunchPlan) -> Iterator[None]:
-    """The store on ``plan.master_addr:plan.master_port`` while the block runs (nothing where
-    ``hosts_store`` is False). Raises LaunchConfigError if the port was taken meanwhile."""
-    if not hosts_store(plan):
-        yield
-        return
-    # Deferred: importing nblaunch never imports torch; the ranks forked from here then inherit it.
-    import torch.distributed as dist
+class Rendezvous:
+    """The store's socket from ``__enter__``, the store itself from ``serve()``, both gone at
+    ``__exit__``. Does nothing where ``hosts_store`` is False."""
 
-    sock = ports.listening_socket(plan.master_addr, plan.master_port)
-    fd = sock.detach()
-    fdtable.hold([fd])  # a rank forked while the store runs must not keep the port open after it
-    try:
-        store = dist.TCPStore(plan.master_addr, plan.master_port, None, True, datetime.timedelta(minutes=30),
-                              wait_for_workers=False, master_listen_fd=fd)
-    except BaseException:
-        fdtable.close([fd])
-        raise
-    try:
-        yield
-    finally:
-        fdtable.forget([fd])  # before the store closes it: the number may be reused at once
-        del store
+    def __init__(self, plan: LaunchPlan) -> None:
+        self._plan = plan
+        self._fd: int | None = None
+        self._store: Any = None
+
+    def __enter__(self) -> Rendezvous:
+        if hosts_store(self._plan):
+            sock = ports.listening_socket(self._plan.master_addr, self._plan.master_port)  # clear error if taken
+            self._fd = sock.detach()
+            fdtable.hold([self._fd])  # no rank forked from here keeps the port open
+        return self
+
+    def serve(self) -> None:
+        """Start serving, on a thread of this process: only once no more ranks are to be forked."""
+        if self._fd is None or self._store is not None:
+            return
+        # Deferred: importing nblaunch never imports torch (a launch's ranks import it anyway).
+        import torch.distributed as dist
+
+        # From here the store owns the socket and closes it: the fork hook must forget it first.
+        fdtable.forget([self._fd])
+        plan = self._plan
+        try:
+            self._store = dist.TCPStore(plan.master_addr, plan.master_port, None, True,
+                                        datetime.timedelta(minutes=30), wait_for_workers=False,
+                                        master_listen_fd=self._fd)
+        except BaseException:
+            fdtable.hold([self._fd])  # still ours: __exit__ closes it
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._store is not None:
+            self._store = None  # its server stops and closes the socket
+        elif self._fd is not None:
+            fdtable.close([self._fd])  # never served: the socket is still ours
+        self._fd = None

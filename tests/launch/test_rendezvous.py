@@ -11,6 +11,7 @@ import datetime
 import os
 import select
 import socket
+import threading
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from nblaunch import LaunchConfigError, notebook_launcher
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import plan_here
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.rendezvous import hosted_store
+from nblaunch.launch.rendezvous import Rendezvous
 
 
 def _store_outlives_rank_0():
@@ -64,16 +65,27 @@ def test_a_port_taken_after_it_was_chosen_is_a_clear_error():
         thief.bind((plan.master_addr, plan.master_port))
         thief.listen()
         with pytest.raises(LaunchConfigError, match=rf"port {plan.master_port} is already in use.*use_port=None"):
-            with hosted_store(plan):
+            with Rendezvous(plan):
                 pass
 
 
-def test_the_store_stops_with_the_attempt():
+def test_a_rank_that_connects_before_the_store_serves_is_served_once_it_does():
+    # The ranks are forked before the store's thread starts (a rank forked while that thread held
+    # glibc's resolver lock hung in its first connection); their connections wait in the backlog.
     plan = plan_here(LaunchRequest(_join_and_return, num_processes=2))
-    with hosted_store(plan):
-        with socket.create_connection((plan.master_addr, plan.master_port), timeout=30):
-            pass
-    with pytest.raises(ConnectionRefusedError):
+    with Rendezvous(plan) as rendezvous:
+        client = []
+        joining = threading.Thread(target=lambda: client.append(
+            dist.TCPStore(plan.master_addr, plan.master_port, None, False, datetime.timedelta(seconds=60))))
+        joining.start()
+        joining.join(0.5)
+        assert joining.is_alive() and not client  # connected, waiting for an answer
+        rendezvous.serve()
+        joining.join(60)
+        client[0].set("key", "value")
+        assert client[0].get("key") == b"value"
+        del client[:]
+    with pytest.raises(ConnectionRefusedError):  # gone with the attempt
         socket.create_connection((plan.master_addr, plan.master_port), timeout=30).close()
 
 
