@@ -9,12 +9,15 @@ at a time once the rank is quiet again. stderr stays line-buffered: tracebacks, 
 logging are few, and what a dying rank must leave behind.
 
 Threads print in real training code (data loading, logging handlers, trackers' upload threads,
-tqdm's monitor), and CPython's ``TextIOWrapper`` is not safe for that: a write that flushes
-while another thread writes can drop the other's text (CPython gh-119506, fixed only in 3.12.4
-and 3.13; 4 threads x 2000 lines lost 7% of them here). So every write, flush and reconfigure
-of the rank's two streams holds one lock, and a line is handed on whole: ``print`` writes its
-text and its newline in two calls, and what a thread wrote without a newline waits for the
-rest of its line (or the next flush) instead of landing in the middle of another thread's.
+tqdm's monitor), and CPython's ``TextIOWrapper`` drops text under them (CPython gh-119506, fixed
+in 3.12.4 and 3.13): a write that would take its pending text past ``_CHUNK_SIZE`` hands the
+pending text to the buffer first, and if another thread writes while that hand-over waits (for
+the buffer's lock, held by a flush), the first thread then replaces the other's text with its
+own. 4 threads x 2000 lines lost 7% of them here. The rank's streams get a chunk size no write
+reaches, so that branch never runs: pending text goes to the buffer only at a newline (a
+line-buffered stream), at a flush (the flusher's, every 20 ms when buffered) or on the way out,
+each of which takes the pending text atomically. As in any Python process, ``print``'s text and
+its newline are two writes, and another thread's may come between them; nothing is lost.
 
 A forked child of a Jupyter kernel inherits the kernel's stream objects (they write into the
 kernel's sockets, where a child's output vanishes) and every ``logging`` handler that holds
@@ -36,79 +39,17 @@ import time
 from typing import TextIO
 
 FLUSH_EVERY_S = 0.02
+_NEVER_REACHED = 1 << 40  # a TextIOWrapper chunk size: see the module's docstring
 CHATTY_BYTES = 4096  # in one FLUSH_EVERY_S: ~200 KB/s, thousands of lines a second
 _BUFFER_BYTES = 1 << 16
 
 
-# Held by every write, flush and reconfigure of the rank's streams (see the module's docstring),
-# by the flusher thread, and across any fork the rank makes: a child forked while another thread
-# held it would find it held forever, and its first print would hang. Reentrant: a signal handler
-# that prints while its thread is inside a write must not deadlock.
-_writing = threading.RLock()
-
-
-class _WholeLines(io.TextIOWrapper):
-    """A ``TextIOWrapper`` that threads may share: one lock around it, each thread's line whole."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._partial: dict[int, str] = {}  # thread id -> what it wrote after its last newline
-
-    def write(self, text: str) -> int:
-        if not isinstance(text, str):
-            return super().write(text)  # TypeError, as a plain stream raises it
-        with _writing:
-            thread = threading.get_ident()
-            held = self._partial.pop(thread, None)
-            whole = text if held is None else held + text
-            end = whole.rfind("\n") + 1
-            if end < len(whole):
-                self._partial[thread] = whole[end:]
-            if end:
-                super().write(whole[:end])
-            return len(text)
-
-    def flush(self) -> None:
-        """Flush, with the calling thread's unfinished line (``print(..., end="", flush=True)``);
-        another thread's stays until its newline comes, or it waits too long (``push_stale``)."""
-        with _writing:
-            held = self._partial.pop(threading.get_ident(), None)
-            if held:
-                super().write(held)
-            super().flush()
-
-    def flush_all(self) -> None:
-        """Flush every thread's unfinished line too: before a fork, before the rank leaves."""
-        with _writing:
-            self._push(list(self._partial))
-            super().flush()
-
-    def push_stale(self, seen: dict[int, str]) -> dict[int, str]:
-        """Write out the unfinished lines that have not changed since ``seen`` (the last call's
-        answer, a flush period ago): a thread that writes part of a line and stops still shows
-        it. Returns what is unfinished now."""
-        with _writing:
-            stale = [thread for thread, text in self._partial.items() if seen.get(thread) is text]
-            self._push(stale)
-            if stale:
-                super().flush()
-            return dict(self._partial)
-
-    def _push(self, threads: list[int]) -> None:
-        held = "".join(self._partial.pop(thread) for thread in threads)
-        if held:
-            super().write(held)
-
-    def reconfigure(self, *args, **kwargs) -> None:
-        with _writing:
-            super().reconfigure(*args, **kwargs)
-
-
 def line_stream(fd: int) -> TextIO:
-    """A text stream on ``fd`` that writes at every line: a rank that dies loses at most a
+    """A text stream on ``fd`` that flushes at every line: a rank that dies loses at most a
     partial line."""
-    raw = io.FileIO(fd, "w", closefd=False)
-    return _WholeLines(io.BufferedWriter(raw), encoding="utf-8", errors="backslashreplace", line_buffering=True)
+    stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    stream._CHUNK_SIZE = _NEVER_REACHED
+    return stream
 
 
 def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
@@ -149,8 +90,14 @@ class _CountingFile(io.FileIO):
 def _adaptive_stream(fd: int) -> tuple[TextIO, _CountingFile]:
     raw = _CountingFile(fd, "w", closefd=False)
     buffered = io.BufferedWriter(raw, _BUFFER_BYTES)
-    stream = _WholeLines(buffered, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+    stream = io.TextIOWrapper(buffered, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+    stream._CHUNK_SIZE = _NEVER_REACHED
     return stream, raw
+
+
+# Held while the flusher writes and across any fork the rank makes: a child forked while the
+# flusher held the buffer's lock would find it held forever, and its first print would hang.
+_flushing = threading.Lock()
 
 
 def _keep_flushing(stream: TextIO, raw: _CountingFile) -> None:
@@ -158,14 +105,13 @@ def _keep_flushing(stream: TextIO, raw: _CountingFile) -> None:
     thread; make forks safe and line-buffered."""
 
     def flush_forever() -> None:
-        seen, unfinished = 0, {}
+        seen = 0
         while not stream.closed:
             time.sleep(FLUSH_EVERY_S)
-            with _writing:
+            with _flushing:
                 try:
-                    unfinished = stream.push_stale(unfinished)
                     if not stream.line_buffering:
-                        super(_WholeLines, stream).flush()  # the buffer, not another thread's half line
+                        stream.flush()
                     chatty = raw.written - seen > CHATTY_BYTES
                     if chatty == stream.line_buffering:
                         stream.reconfigure(line_buffering=not chatty)
@@ -174,20 +120,20 @@ def _keep_flushing(stream: TextIO, raw: _CountingFile) -> None:
                 seen = raw.written
 
     def before_fork() -> None:
-        _writing.acquire()
+        _flushing.acquire()
         try:
-            stream.flush_all()  # else the child inherits the buffer and prints it a second time
+            stream.flush()  # else the child inherits the buffer and prints it a second time
         except (OSError, ValueError):
             pass
 
     def in_child() -> None:
-        _writing.release()
+        _flushing.release()
         try:  # no flusher thread there: a DataLoader worker's prints go out a line at a time
             stream.reconfigure(line_buffering=True)
         except (AttributeError, ValueError):
             pass
 
-    os.register_at_fork(before=before_fork, after_in_parent=_writing.release, after_in_child=in_child)
+    os.register_at_fork(before=before_fork, after_in_parent=_flushing.release, after_in_child=in_child)
     _thread.start_new_thread(flush_forever, ())  # bare: see bootstrap.serve
 
 
@@ -227,10 +173,10 @@ def _repoint_logging_handlers(replacement: dict[int, TextIO]) -> list[str]:
 def flush_streams() -> None:
     """Flush Python's streams and C's stdio buffers (printf from extensions: NCCL_DEBUG,
     OpenMP), which ``os._exit`` would otherwise throw away."""
-    with _writing:
+    with _flushing:
         for stream in (sys.stdout, sys.stderr):
             try:
-                getattr(stream, "flush_all", stream.flush)()
+                stream.flush()
             except Exception:
                 pass
         try:
