@@ -27,6 +27,7 @@ GOAL_RATIO_RAW = 1.0
 GOAL_RATIO_ACC = 0.4
 GOAL_FIRST_STEP_S = 0.3
 GOAL_IMPORT_ADDS_S = 0.3  # what importing the Accelerator may add to importing torch
+GOAL_FIRST_LAUNCH_ADDS_S = 0.3  # a fresh kernel's first launch of ranks that make an Accelerator (issue 38)
 GOAL_SPAWN_VS_FORK = 2.0  # a later spawn launch against a fork launch, in one process (issue 37)
 GOAL_FIRST_SPAWN_VS_RAW = 1.0  # the first spawn launch: no slower than a fresh interpreter per rank
 
@@ -60,6 +61,24 @@ def _cold_trivial(impl: str, start_method: str | None = None) -> dict:
     run_launch(impl, rendezvous, start_method=start_method)
     t2 = time.perf_counter()
     return {"import_s": t1 - t0, "launch_s": t2 - t1}
+
+
+def _cold_accelerator(impl: str) -> dict:
+    """A notebook's first two cells: import torch and the launcher, then launch 2 ranks that each
+    make an Accelerator (raw: join a gloo group). Timed from before the launcher's import."""
+    import torch  # noqa: F401  the notebook has torch
+
+    from benchmarks.workloads import make_an_accelerator
+
+    t0 = time.perf_counter()
+    if impl == "nblaunch":
+        import nblaunch  # noqa: F401
+    elif impl == "accelerate":
+        import accelerate  # noqa: F401
+    else:
+        import torch.multiprocessing  # noqa: F401
+    run_launch(impl, make_an_accelerator, (impl,))
+    return {"launch_s": time.perf_counter() - t0}
 
 
 def _first_steps(impl: str) -> dict:
@@ -114,7 +133,9 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     warm = interleave(warm_rounds, {impl: timed(impl) for impl in impls})
     cold = interleave(fresh_rounds, {impl: (lambda impl=impl: _fresh(["cold", impl])) for impl in impls})
     first = interleave(fresh_rounds, {impl: (lambda impl=impl: _fresh(["first-step", impl], 240)) for impl in impls})
-    for kind, errors in (("warm", warm["_errors"]), ("cold", cold["_errors"]), ("first step", first["_errors"])):
+    made = interleave(fresh_rounds, {impl: (lambda impl=impl: _fresh(["cold-accelerator", impl])) for impl in impls})
+    for kind, errors in (("warm", warm["_errors"]), ("cold", cold["_errors"]), ("first step", first["_errors"]),
+                         ("cold accelerator", made["_errors"])):
         for impl, errs in errors.items():
             notes.append(f"{kind} {impl}: {len(errs)} failed: {errs[0]}")
 
@@ -133,6 +154,16 @@ def run(quick: bool = False, size: str | None = None) -> dict:
             rows.append(row(impl, label, "ms", data[impl], goal=goal, met=met, ratios=ratios))
     for impl in impls:
         rows.append(row(impl, "import of the launcher (fresh interpreter, torch already imported)", "ms", import_ms[impl]))
+    made_s = {i: [None if m is None else m["launch_s"] for m in made[i]] for i in impls}
+    for impl in impls:
+        goal = met = ratios = None
+        if impl == "nblaunch" and "raw" in impls:
+            ratios = {f"vs {other}": pair_ratios(made_s[impl], made_s[other]) for other in impls if other != impl}
+            added = [None if a is None or b is None else a - b for a, b in zip(made_s["nblaunch"], made_s["raw"])]
+            goal = f"<= raw + {GOAL_FIRST_LAUNCH_ADDS_S} s"
+            met = None not in added and bool(added) and sorted(added)[len(added) // 2] <= GOAL_FIRST_LAUNCH_ADDS_S
+        rows.append(row(impl, "import + first launch of 2 ranks that make an Accelerator (fresh interpreter; raw: "
+                        "join a gloo group)", "s", made_s[impl], goal=goal, met=met, ratios=ratios))
     imports = {i: [None if f is None else f["import"] for f in first[i]] for i in impls}
     for impl in impls:
         goal = met = None
@@ -214,6 +245,8 @@ if __name__ == "__main__":
     kind, impl = sys.argv[1], sys.argv[2]
     if kind == "cold-spawn":
         result = _cold_trivial(impl, start_method="spawn")
+    elif kind == "cold-accelerator":
+        result = _cold_accelerator(impl)
     else:
         result = _cold_trivial(impl) if kind == "cold" else _first_steps(impl)
     sys.stdout.flush()

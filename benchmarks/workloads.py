@@ -20,6 +20,18 @@ def rendezvous() -> int:
     return rank
 
 
+def make_an_accelerator(impl: str) -> int:
+    """What a training function does first: make its library's Accelerator (it joins the group);
+    raw torch joins the group itself, as its users' code does."""
+    if impl == "raw":
+        return rendezvous()
+    if impl == "nblaunch":
+        from nblaunch import Accelerator
+    else:
+        from accelerate import Accelerator
+    return Accelerator(cpu=True).process_index
+
+
 def raw_entry(local_rank: int, port: int, world: int, fn, args: tuple, out_dir: str | None) -> None:
     """What a user writes for torch.multiprocessing: set the rendezvous variables, then run."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),

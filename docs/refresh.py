@@ -3,8 +3,9 @@
 1. README's two pictures, taken by the real-browser tests (JupyterLab in headless Chromium, see
    tests/display): ``docs/images/dashboard.png`` (a launch running) and ``failure.png`` (a
    failed launch, as the saved notebook keeps it).
-2. ``notebooks/01_quickstart.ipynb`` and ``03_when_things_go_wrong.ipynb`` run top to bottom in a
-   real kernel and saved with their outputs, so a visitor on GitHub sees the summaries.
+2. The notebooks of ``SAVED_WITH_OUTPUTS`` (the quickstart, the move from Accelerate, what goes
+   wrong) run top to bottom in a real kernel and saved with their outputs, so a visitor on GitHub
+   sees the summaries.
 
 Needs the test environment (README's test command) and Chromium (``.ci/browser-setup.sh``).
 ``--notebooks`` or ``--images`` does one half. tests/notebooks/test_saved_outputs.py checks that
@@ -29,7 +30,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 IMAGES = {"widget_demo_dashboard.png": "dashboard.png", "scenario_failed_cell.png": "failure.png"}
-SAVED_WITH_OUTPUTS = ["01_quickstart.ipynb", "03_when_things_go_wrong.ipynb"]
+SAVED_WITH_OUTPUTS = ["01_quickstart.ipynb", "02_from_accelerate.ipynb", "03_when_things_go_wrong.ipynb"]
 
 
 def refresh_images() -> None:

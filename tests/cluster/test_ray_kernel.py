@@ -8,7 +8,6 @@ import time
 
 import nbformat
 import psutil
-import pytest
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 

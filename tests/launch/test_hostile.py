@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import RankFailedError, notebook_launcher
-from nblaunch.events import Output
 
 
 class UnprintableError(Exception):
