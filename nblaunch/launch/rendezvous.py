@@ -48,6 +48,12 @@ class Rendezvous:
 
     def __enter__(self) -> Rendezvous:
         if hosts_store(self._plan):
+            # Imported now, before the ranks are forked (they inherit it): imported in serve(),
+            # once they run, it held up the supervisor, and a kernel that had not imported torch
+            # showed nothing of a short launch until it was over. The cell already shows the
+            # launch; the import changes nothing in os.environ.
+            import torch.distributed  # noqa: F401  deferred: importing nblaunch never imports torch
+
             sock = ports.listening_socket(self._plan.master_addr, self._plan.master_port)  # clear error if taken
             self._fd = sock.detach()
             fdtable.hold([self._fd])  # no rank forked from here keeps the port open
@@ -57,8 +63,7 @@ class Rendezvous:
         """Start serving, on a thread of this process: only once no more ranks are to be forked."""
         if self._fd is None or self._store is not None:
             return
-        # Deferred: importing nblaunch never imports torch (a launch's ranks import it anyway).
-        import torch.distributed as dist
+        import torch.distributed as dist  # imported by __enter__ already
 
         # From here the store owns the socket and closes it: the fork hook must forget it first.
         fdtable.forget([self._fd])
