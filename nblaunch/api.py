@@ -31,7 +31,7 @@ def notebook_launcher(
     use_port: int | str | None = None,
     master_addr: str = "127.0.0.1",
     node_rank: int = 0,
-    num_nodes: int = 1,
+    num_nodes: int | None = None,
     rdzv_backend: str = "static",
     rdzv_endpoint: str = "",
     rdzv_conf: dict | None = None,
@@ -46,6 +46,7 @@ def notebook_launcher(
     block: bool = True,
     ranks: "WarmRanks | None" = None,
     cluster: str | None = None,
+    resources: dict[str, Any] | None = None,
     cpu: bool = False,
     detach: bool = False,
 ) -> list[Any] | "Launch" | DetachedLaunch:
@@ -66,7 +67,8 @@ def notebook_launcher(
             "bfloat16", "float16", "half", "fp32" and "none" are read as those, as the
             Accelerator reads them.
         use_port: the rendezvous port; None picks a free one.
-        master_addr, node_rank, num_nodes: for several machines (each runs this same call).
+        master_addr, node_rank, num_nodes: for several machines (each runs this same call);
+            with a ``cluster``, ``num_nodes`` is how many of its nodes to use.
         start_method: None (fork where safe, spawn where not), "fork" or "spawn".
         timeout: seconds; past it every rank's stack is shown, the ranks are stopped and
             LaunchTimeoutError is raised.
@@ -85,6 +87,15 @@ def notebook_launcher(
             ``num_processes`` ranks each on the Ray cluster this process is connected to
             (``ray.init()``'s defaults if it is not): all nodes or none, node 0 hosting the
             rendezvous, every rank's output, progress and result in this cell as on one machine.
+            "slurm" runs on the nodes of a Slurm allocation: inside one (a kernel in a Slurm
+            job), every node of it by default (``num_nodes`` narrows), one rank per GPU it
+            gives each node (or ``num_processes``); outside one, ``resources=`` says what to
+            ask for, and the cell shows the job waiting in the queue until it starts.
+        resources: with ``cluster="slurm"`` outside an allocation, what to ask Slurm for, as
+            sbatch names it: ``partition``, ``account``, ``time``, ``qos``, ``reservation``,
+            ``constraint``, ``mem``, ``gpus_per_node``, ``cpus_per_node``; the nodes are
+            ``num_nodes``. Your ``SBATCH_PARTITION``/``SBATCH_ACCOUNT``/... fill what it leaves
+            out. Example: ``resources={"partition": "gpu", "time": "1:00:00", "gpus_per_node": 4}``.
         cpu: True runs every rank on the CPU with the GPUs hidden (as Accelerate's
             ``cpu=True``): as many ranks as you like on a one-GPU machine, to try or debug
             distributed code.
@@ -134,7 +145,7 @@ def notebook_launcher(
     request = LaunchRequest.from_call(
         function, args, num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
         master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, start_method=start_method,
-        timeout=timeout, display=display, cpu=cpu, max_restarts=max_restarts, cluster=cluster,
+        timeout=timeout, display=display, cpu=cpu, max_restarts=max_restarts, cluster=cluster, resources=resources,
         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
         monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template)
     home = open_home(request)
@@ -174,14 +185,14 @@ def _refuse_launch_options_on_warm_ranks(given: dict[str, Any]) -> None:
 
 
 def _run_on_warm_ranks(ranks: WarmRanks | DetachedWarmRanks, function: Callable, args: tuple, num_processes: Any, block: bool,
-                       num_nodes: int, timeout: float | None, display: Any) -> list[Any]:
+                       num_nodes: int | None, timeout: float | None, display: Any) -> list[Any]:
     __tracebackhide__ = True
     if not isinstance(ranks, (WarmRanks, DetachedWarmRanks)):
         raise LaunchConfigError(f"ranks must be a WarmRanks, got {type(ranks).__name__}")
     if num_processes is not None and num_processes != ranks.num_processes:
         raise LaunchConfigError(f"num_processes={num_processes!r}, but the warm ranks are {ranks.num_processes}: "
                                 "leave num_processes out, or make a WarmRanks of that size")
-    if not block or num_nodes != 1:
+    if not block or num_nodes not in (None, 1):
         raise LaunchConfigError("block=False and num_nodes do not apply to warm ranks: "
                                 "leave them out, or launch without ranks=")
     if not isinstance(args, tuple):

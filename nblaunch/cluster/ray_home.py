@@ -5,7 +5,7 @@ Ray only places things: a placement group holds one bundle per node (every node 
 :class:`~nblaunch.cluster.agent.NodeAgent` actor sits in each bundle and runs nblaunch's own
 launch of that node's ranks, and node 0's agent names the rendezvous (its address and a port
 free there). Everything else (forking, lifelines, stacks, teardown, logs) is the local launch's,
-on each node; :class:`~nblaunch.cluster.watcher.RayWatcher` merges the nodes' events into the
+on each node; :class:`~nblaunch.cluster.watcher.NodesWatcher` merges the nodes' events into the
 cell. After every attempt the agents are killed and the placement group removed. A detached
 launch is kept by an actor of the cluster (``ray_keeper``).
 """
@@ -24,14 +24,21 @@ import cloudpickle
 from nblaunch.cluster import ray_placement
 from nblaunch.cluster.agent import NodeAgent, NodePlace
 from nblaunch.cluster.ray_keeper import kept_on_ray, start_on_ray
+from nblaunch.cluster.ray_links import RayLinks
 from nblaunch.cluster.ray_placement import NodeRequest
-from nblaunch.cluster.watcher import RayWatcher
+from nblaunch.cluster.watcher import NodesWatcher
 from nblaunch.contract.version import __version__
 from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
-from nblaunch.launch.planning.plan import LaunchPlan, check_fp8, decided_precision, plural, ranks_per_node
+from nblaunch.launch.planning.plan import (
+    LaunchPlan,
+    check_fp8,
+    decided_precision,
+    plural,
+    ranks_per_node,
+)
 from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
 from nblaunch.launch.starting.packing import Payload
 
@@ -54,28 +61,32 @@ class RayHome:
         if r.start_method not in (None, "fork", "spawn"):
             raise LaunchConfigError(f"with cluster='ray', start_method must be None, 'fork' or 'spawn'; got "
                                     f"{r.start_method!r}")
+        if r.resources:
+            raise LaunchConfigError("resources= is for cluster='slurm': a Ray cluster's nodes are placed by "
+                                    "num_nodes and num_processes (and the GPUs each node has)")
         if r.max_restarts != 0:
             raise LaunchConfigError("max_restarts is not supported with cluster='ray' yet: pass max_restarts=0, or "
                                     "resume from a checkpoint with a new launch")
         # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
         pickling.check_picklable(r.function, r.args)
         self._ray, cluster = ray_placement.connect()
-        gpus = 0 if r.cpu else ray_placement.gpus_per_node(self._ray, r.num_nodes)
+        num_nodes = r.num_nodes or 1
+        gpus = 0 if r.cpu else ray_placement.gpus_per_node(self._ray, num_nodes)
         num_processes = ranks_per_node(r, gpus)
         # "auto" is decided on each node, by its own GPUs; here it reads as the CPU's where there are none.
         precision = r.mixed_precision if gpus else decided_precision(r.mixed_precision, "cpu", None)
         check_fp8(precision, "cuda" if gpus else "cpu")
-        self._nodes = NodeRequest(num_nodes=r.num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
+        self._nodes = NodeRequest(num_nodes=num_nodes, ranks=num_processes, gpus=1.0 if gpus else 0.0)
         ray_placement.check_fits(self._ray, self._nodes)
         kind = plural(num_processes, "CUDA GPU") if gpus else "CPU"
         self.plan = LaunchPlan(
-            request=r, num_processes=num_processes, num_nodes=r.num_nodes, node_rank=0, master_addr="node 0",
+            request=r, num_processes=num_processes, num_nodes=num_nodes, node_rank=0, master_addr="node 0",
             master_port=r.use_port or 0, start_method="ray",
-            start_reason=f"{plural(r.num_nodes, 'node')} of {cluster}, placed together by a Ray placement group; "
+            start_reason=f"{plural(num_nodes, 'node')} of {cluster}, placed together by a Ray placement group; "
                          "each node's agent starts its ranks as a launch on one machine does",
             device_kind="cuda" if gpus else "cpu",
-            devices=f"{kind}, {plural(num_processes, 'rank')} on each of {plural(r.num_nodes, 'Ray node')}",
-            shown_ranks=num_processes * r.num_nodes, precision=precision,
+            devices=f"{kind}, {plural(num_processes, 'rank')} on each of {plural(num_nodes, 'Ray node')}",
+            shown_ranks=num_processes * num_nodes, precision=precision,
             meeting_point="node 0, once Ray has placed the ranks",
             port_pinned=r.use_port is not None,
         )
@@ -92,7 +103,7 @@ class RayHome:
 
     @contextlib.contextmanager
     def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
-                log_dir: str) -> Iterator[RayWatcher]:
+                log_dir: str) -> Iterator[NodesWatcher]:
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -119,7 +130,7 @@ class RayHome:
                       for index, agent in enumerate(agents)]
             self._get(starts, "could not start its ranks")
             left = None if time_left is None else max(0.0, time_left - (time.monotonic() - started))
-            yield RayWatcher(agents, plan.num_processes, emit, left)
+            yield NodesWatcher(RayLinks(ray, agents), plan.num_nodes, plan.num_processes, emit, left)
         finally:
             ray_placement.release(ray, agents, group)
 

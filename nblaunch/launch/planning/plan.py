@@ -147,11 +147,15 @@ def plan_here(request: LaunchRequest) -> LaunchPlan:
     """How ``request`` runs on this machine: its GPUs (or TPUs), start method, rendezvous.
     Raises LaunchConfigError where this machine cannot run it."""
     r = request
-    if r.max_restarts and r.num_nodes > 1:
+    if r.resources:
+        raise LaunchConfigError("resources= says what to ask a cluster for: pass cluster='slurm' with it (a launch "
+                                "on this machine asks for nothing)")
+    num_nodes = r.num_nodes or 1
+    if r.max_restarts and num_nodes > 1:
         raise LaunchConfigError(
             "max_restarts works on one machine only for now: with num_nodes > 1 the nodes could not agree on "
             "when to restart. Pass max_restarts=0, or resume from a checkpoint with a new launch.")
-    if r.num_nodes > 1 and r.use_port is None:
+    if num_nodes > 1 and r.use_port is None:
         raise LaunchConfigError(
             "with num_nodes > 1, every node must agree on the port: pass the same use_port=... on every node")
     if r.start_method == "xla" or (r.start_method is None and not r.cpu and tpu.tpu_markers()):
@@ -177,7 +181,7 @@ def plan_here(request: LaunchRequest) -> LaunchPlan:
     return LaunchPlan(
         request=r,
         num_processes=num_processes,
-        num_nodes=r.num_nodes,
+        num_nodes=num_nodes,
         node_rank=r.node_rank,
         master_addr=r.master_addr,
         master_port=ports.choose_port(r.master_addr, r.use_port, hosted_here=r.node_rank == 0),

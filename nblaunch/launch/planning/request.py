@@ -27,7 +27,7 @@ import inspect
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from nblaunch.contract.precision import parse_precision
 from nblaunch.display import DISPLAY_CHOICES
@@ -49,7 +49,7 @@ class LaunchRequest:
     use_port: int | None = None  # the rendezvous port; None: a free one
     master_addr: str = DEFAULT_MASTER_ADDR
     node_rank: int = 0
-    num_nodes: int = 1
+    num_nodes: int | None = None  # None: the home decides (1; every node of a Slurm allocation)
     start_method: str | None = None  # None: fork where it is safe, else spawn
     timeout: float | None = None  # seconds for the whole launch, restarts included
     display: str | Display = "auto"
@@ -57,6 +57,7 @@ class LaunchRequest:
     max_restarts: int = 0
     run_id: str = "none"  # torchrun's TORCHELASTIC_RUN_ID (Accelerate's rdzv_id)
     cluster: str | None = None  # which home: read by nblaunch.homes, nowhere else
+    resources: Mapping[str, Any] | None = None  # what a cluster's home asks it for (Slurm, outside an allocation)
 
     def __post_init__(self) -> None:
         function, args = self.function, self.args
@@ -75,7 +76,7 @@ class LaunchRequest:
         check_call(function, args)
         if self.num_processes is not None:
             positive_int("num_processes", self.num_processes, " or None (one per GPU)")
-        num_nodes = positive_int("num_nodes", self.num_nodes)
+        num_nodes = 1 if self.num_nodes is None else positive_int("num_nodes", self.num_nodes, " or None")
         node_rank = self.node_rank
         if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
             raise LaunchConfigError(f"node_rank must be an int in 0..num_nodes-1 (num_nodes={num_nodes}), "
@@ -95,6 +96,9 @@ class LaunchRequest:
                                     f"got {self.run_id!r}")
         if self.cluster is not None and not isinstance(self.cluster, str):
             raise LaunchConfigError(f"cluster must be None (this machine) or a cluster's name, got {self.cluster!r}")
+        if self.resources is not None and not isinstance(self.resources, Mapping):
+            raise LaunchConfigError(f"resources must be a dict of what to ask the cluster for (e.g. "
+                                    f"{{'partition': 'gpu', 'time': '1:00:00'}}), got {self.resources!r}")
 
     @classmethod
     def from_call(cls, function: Callable[..., Any], args: tuple = (), *, rdzv_backend: Any = "static",
