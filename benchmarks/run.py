@@ -4,7 +4,7 @@ Each measurement runs in a subprocess of its own with a hard time limit (its pro
 killed past it), so one failure or hang does not poison the others. Results go to
 ``benchmarks/results/latest.json`` and ``latest.md`` (or ``--out DIR``).
 
-Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu (default: all).
+Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm (default: all).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ MEASUREMENTS = {
     # Measures nothing (and says why) without a CUDA device; tools/gpu_lane.sh runs it on one.
     "gpu": ("benchmarks.m_gpu:run", "10. One CUDA GPU: a small transformer's steps/s, a launch after CUDA was "
             "initialised, a failure", 420),
+    "slurm": ("benchmarks.m_slurm:run", "11. Several machines on Slurm: a real Slurm of 2 nodes here, 2 ranks each",
+              900),
 }
 
 

@@ -178,6 +178,14 @@ class RanksPlaced:
 
 
 @dataclass(frozen=True)
+class ClusterWaiting:
+    """The cluster has not given the launch its nodes yet: ``line`` says why, in its words
+    (a Slurm job pending, its reason and place in the queue). Shown until ``RanksPlaced``."""
+
+    line: str
+
+
+@dataclass(frozen=True)
 class LaunchRestarting:
     """A rank failed and ``max_restarts`` allows another start: every rank was stopped and all
     start again (``restart`` of ``max_restarts``), on a fresh rendezvous."""
@@ -208,7 +216,7 @@ class LaunchFinished:
 
 
 Event = (
-    LaunchStarted | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
+    LaunchStarted | ClusterWaiting | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
     | LaunchRestarting | LaunchFinished | CallFinished | RankDevice | GpuUsage
 )
 

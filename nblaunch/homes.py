@@ -21,6 +21,7 @@ from nblaunch.launch.local_home import LocalHome
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.ranks_home import RanksHome
 
+
 def _ray_home() -> type[RanksHome]:
     # Deferred: a cluster's home is loaded when a launch asks for it (``import nblaunch`` stays
     # lean: its modules cost about 15 ms); Ray itself only when the home is made.
@@ -29,10 +30,17 @@ def _ray_home() -> type[RanksHome]:
     return RayHome
 
 
+def _slurm_home() -> type[RanksHome]:
+    from nblaunch.cluster.slurm_home import SlurmHome  # deferred, as the Ray home
+
+    return SlurmHome
+
+
 # Every home, by the name cluster= gives it (None: this machine), loaded on first use.
 HOMES: dict[str | None, Callable[[], type[RanksHome]]] = {
     None: lambda: LocalHome,
     "ray": _ray_home,
+    "slurm": _slurm_home,
 }
 
 

@@ -39,6 +39,27 @@ XLA_LAUNCH = "NBLAUNCH_XLA"  # "1" in every rank of an XLA launch
 DISTRIBUTED_TYPE = "NBLAUNCH_DISTRIBUTED_TYPE"  # "XLA": asks a process outside a launch for XLA
 LAUNCH_ID = "NBLAUNCH_LAUNCH_ID"  # every process of a launch carries it: found and stopped by it
 STATE_DIR = "NBLAUNCH_STATE_DIR"  # where detached launches are kept (the user's choice)
+AGENT_TOKEN = "NBLAUNCH_AGENT_TOKEN"  # what a node's agent shows the driver it connects to (never on a command line)
+
+# Slurm's (cluster="slurm"): the allocation a kernel sits in, as Slurm tells its processes.
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
+SLURM_JOB_CPUS_PER_NODE = "SLURM_JOB_CPUS_PER_NODE"  # "4(x2),2": counts per node, run-length coded
+SLURM_GPUS_ON_NODE = "SLURM_GPUS_ON_NODE"
+SLURM_JOB_GPUS = "SLURM_JOB_GPUS"  # "0,1": the GPUs of the job on this node
+SLURM_PROCID = "SLURM_PROCID"  # a task's number in its step: the agent's node number
+SLURM_CONF = "SLURM_CONF"
+# The job's own, kept in the ranks: the rest (a task's SLURM_PROCID, SLURM_NTASKS, ...) describe
+# the agent's task, and would make Lightning or Accelerate believe srun started each rank.
+SLURM_JOB_LEVEL = (SLURM_JOB_ID, "SLURM_JOBID", SLURM_JOB_NODELIST, "SLURM_JOB_NUM_NODES", "SLURM_CLUSTER_NAME",
+                   "SLURM_JOB_PARTITION", "SLURM_JOB_ACCOUNT", "SLURM_SUBMIT_DIR", "SLURM_SUBMIT_HOST", SLURM_CONF,
+                   "SLURM_JOB_USER", "SLURM_JOB_UID", "SLURM_JOB_NAME")
+# Prefixes of what Slurm's tools read as options (srun reads SLURM_*, salloc SALLOC_*, sbatch
+# SBATCH_*) or an MPI reads as its world: none of it may reach a step nblaunch starts, or a rank.
+SLURM_INPUT_PREFIXES = ("SLURM_", "SRUN_", "SALLOC_", "SBATCH_", "PMI_", "PMIX_", "OMPI_")
+# What a user's environment already asks sbatch for: a launch outside an allocation asks the same.
+SBATCH_DEFAULTS = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "time": "SBATCH_TIMELIMIT",
+                   "qos": "SBATCH_QOS", "reservation": "SBATCH_RESERVATION", "constraint": "SBATCH_CONSTRAINT"}
 
 # Hugging Face Accelerate's, as its own launchers set them: code that keeps `accelerate` (and
 # transformers' Trainer) gets the same launch.

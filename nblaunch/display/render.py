@@ -20,8 +20,8 @@ from html import escape
 
 from nblaunch import frames
 from nblaunch.display.logring import LogRing
-from nblaunch.display.view_state import Bar, LaunchView, RankView
 from nblaunch.display.svgchart import format_number, line_chart
+from nblaunch.display.view_state import Bar, LaunchView, RankView
 from nblaunch.events import RankState
 
 RANK_COLOURS = (
@@ -87,6 +87,8 @@ def header_html(view: LaunchView, now: float) -> str:
         + (f' <span style="{MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
         f"rendezvous: {escape(plan.rendezvous)}" if view.placed is None else escape(view.placed.line),
     ]
+    if view.waiting is not None and view.placed is None:
+        facts.append(f'<span style="color: #b45309">{escape(view.waiting.line)}</span>')
     if view.restarted is not None:
         r = view.restarted
         facts.append(f'<span style="color: #b45309">restart {r.restart} of {r.max_restarts} '

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from nblaunch import frames
 from nblaunch.events import (
+    ClusterWaiting,
     Event,
     LaunchFinished,
     LaunchRestarting,
@@ -100,6 +101,8 @@ class TextDisplay:
         elif isinstance(event, LaunchRestarting):
             self._print(f"nblaunch: {event.line}", "stderr")
         elif isinstance(event, RanksPlaced):
+            self._print(f"nblaunch: {event.line}")
+        elif isinstance(event, ClusterWaiting):
             self._print(f"nblaunch: {event.line}")
         elif isinstance(event, LaunchFinished):
             for rank, (values, step) in sorted(self._last_metrics.items()):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from nblaunch.display.logring import LogLine, LogRing
 from nblaunch.display.series import Series
 from nblaunch.events import (
+    ClusterWaiting,
     Event,
     GpuUsage,
     LaunchFinished,
@@ -31,8 +32,8 @@ from nblaunch.events import (
     Progress,
     RankDevice,
     RankFinished,
-    RankStarted,
     RanksPlaced,
+    RankStarted,
     RankState,
     Stacks,
 )
@@ -113,6 +114,7 @@ class LaunchView:
         self._implicit_steps: dict[tuple[str, int], int] = {}
         self.restarted: LaunchRestarting | None = None  # the latest restart, if any
         self.placed: RanksPlaced | None = None  # where a cluster put the ranks
+        self.waiting: ClusterWaiting | None = None  # why the cluster has not yet
         self.dirty: set[str] = set()
 
     # -- overall ----------------------------------------------------------------------------
@@ -171,6 +173,9 @@ class LaunchView:
             self.dirty |= {HEADER, RANKS}
         elif isinstance(event, RanksPlaced):
             self.placed = event
+            self.dirty.add(HEADER)
+        elif isinstance(event, ClusterWaiting):
+            self.waiting = event
             self.dirty.add(HEADER)
         elif isinstance(event, LaunchRestarting):
             self._restart(event)

@@ -19,7 +19,8 @@ Example::
     %distributed stop
 
 ``--ray --nodes 2`` keeps the ranks on two nodes of the Ray cluster the notebook is connected to
-(``-n`` ranks on each). ``--detach`` keeps them under a supervisor of their own: after a kernel
+(``-n`` ranks on each); ``--slurm`` on the nodes of the kernel's Slurm allocation (every node, or
+``--nodes``). ``--detach`` keeps them under a supervisor of their own: after a kernel
 restart, the first ``%%distributed --detach`` cell reattaches to them (and says so), with
 everything earlier cells defined there; a cell that asks for other ranks is refused, never
 allowed to close them.
@@ -44,6 +45,9 @@ from nblaunch.worker.calls import namespace_names, run_code
 _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
 
 
+_USAGE = "%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--ray | --slurm] [--nodes K] [--detach]"
+
+
 def cell_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="%%distributed", add_help=False, exit_on_error=False)
     parser.add_argument("-n", "--num-processes", type=int, default=None)
@@ -52,6 +56,7 @@ def cell_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--nodes", type=int, default=None)
     parser.add_argument("--ray", action="store_true")
+    parser.add_argument("--slurm", action="store_true")
     parser.add_argument("--detach", action="store_true")
     return parser
 
@@ -75,12 +80,14 @@ class DistributedMagics(Magics):
         try:
             options = cell_parser().parse_args(shlex.split(line))
         except (argparse.ArgumentError, SystemExit, ValueError) as error:
-            raise LaunchConfigError("%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--ray [--nodes K]] [--detach]: "
-                                    f"{error}") from None
+            raise LaunchConfigError(f"{_USAGE}: {error}") from None
+        if options.ray and options.slurm:
+            raise LaunchConfigError(f"{_USAGE}: --ray or --slurm, not both")
         filename = f"<distributed cell {self._cells + 1}>"
         compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
-        pool = self._pool_for(options.num_processes, (options.spawn, options.nodes or 1, "ray" if options.ray else None,
-                                                        options.cpu), options.detach)
+        cluster = "ray" if options.ray else "slurm" if options.slurm else None
+        pool = self._pool_for(options.num_processes, (options.spawn, options.nodes, cluster, options.cpu),
+                              options.detach)
         self._cells += 1
         sent = self._names_to_send(cell)
         try:
@@ -174,7 +181,8 @@ def _shape_of(request: Any) -> tuple:
 def _describe(shape: tuple) -> str:
     spawn, nodes, cluster, cpu = shape
     parts = ["by spawn" if spawn else "by fork", "on the CPU" if cpu else "on this machine's devices"]
-    return ", ".join(parts + ([f"on {nodes} nodes of cluster={cluster!r}"] if cluster is not None else []))
+    where = f"on {nodes} nodes" if nodes is not None else "on every node"
+    return ", ".join(parts + ([f"{where} of cluster={cluster!r}"] if cluster is not None else []))
 
 
 def used_names(source: str) -> set[str]:

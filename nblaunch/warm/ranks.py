@@ -55,6 +55,8 @@ class WarmRanks:
         num_nodes, cluster: ``cluster="ray"`` keeps ``num_nodes`` nodes of ``num_processes``
             ranks each up on the Ray cluster (as ``notebook_launcher(..., cluster="ray")``
             places them); calls then take a few Ray round trips instead of a launch.
+            ``cluster="slurm"`` keeps them on the nodes of this kernel's Slurm allocation
+            (every node unless ``num_nodes`` narrows), as ``notebook_launcher`` places them.
         display: how each call shows itself ("auto", "widget", "text", "none"); ``run`` can
             choose per call.
 
@@ -68,7 +70,7 @@ class WarmRanks:
 
     def __new__(cls, num_processes: int | None = None, mixed_precision: str = "no", *,
                 use_port: int | str | None = None, start_method: str | None = None,
-                display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None,
+                display: str | Display = "auto", num_nodes: int | None = None, cluster: str | None = None,
                 cpu: bool = False, detach: bool = False) -> Any:
         if not isinstance(detach, bool):
             raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
@@ -89,7 +91,7 @@ class WarmRanks:
 
     def __init__(self, num_processes: int | None = None, mixed_precision: str = "no", *,
                  use_port: int | str | None = None, start_method: str | None = None,
-                 display: str | Display = "auto", num_nodes: int = 1, cluster: str | None = None,
+                 display: str | Display = "auto", num_nodes: int | None = None, cluster: str | None = None,
                  cpu: bool = False, detach: bool = False) -> None:
         self._take(_pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu),
                    display)
@@ -287,8 +289,9 @@ def _pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start
     """The request of a pool: its ranks serve calls; each call has its own timeout and display."""
     request = LaunchRequest(serve_calls, (), num_processes, mixed_precision, use_port, num_nodes=num_nodes,
                             start_method=start_method, display="none", cpu=cpu, cluster=cluster)
-    if num_nodes != 1 and not home_class(request).starts_every_node:
-        raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray', "
+    if num_nodes not in (None, 1) and not home_class(request).starts_every_node:
+        raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray' or "
+                                "cluster='slurm', "
                                 f"or leave num_nodes out (got num_nodes={num_nodes!r})")
     return request
 

@@ -1,0 +1,194 @@
+"""``notebook_launcher(..., cluster="slurm")``: the ranks live on the nodes of a Slurm
+allocation (a home: ``launch/ranks_home.RanksHome``).
+
+Slurm only starts processes: one job step (``srun``, ``cluster/slurm_step``) runs nblaunch's
+agent on every node of the allocation (``cluster/slurm_allocation``: this kernel's, or one srun
+asks for). Each agent connects back to this kernel (``cluster/node_socket``), says where it is,
+and runs nblaunch's own launch of that node's ranks, as a Ray node's agent does; node 0's
+launcher hosts the rendezvous. ``cluster/watcher.NodesWatcher`` merges the nodes' events into
+the cell. After every attempt the agents end, srun with them, and nothing is left in Slurm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import socket
+import sys
+import time
+from typing import Any, Callable, ClassVar, Iterator
+
+import cloudpickle
+
+from nblaunch.cluster.agent import NodePlace
+from nblaunch.cluster.node_socket import Hub, SocketLinks
+from nblaunch.cluster.slurm_allocation import find_allocation
+from nblaunch.cluster.slurm_step import AgentStep
+from nblaunch.cluster.watcher import NodesWatcher
+from nblaunch.contract import variables as v
+from nblaunch.contract.version import __version__
+from nblaunch.detached.kept_launch import KeptLaunch
+from nblaunch.events import ClusterWaiting, Event, RanksPlaced
+from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.launch.planning import pickling
+from nblaunch.launch.planning.plan import (
+    LaunchPlan,
+    check_fp8,
+    decided_precision,
+    plural,
+    ranks_per_node,
+)
+from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
+from nblaunch.launch.starting.packing import Payload
+
+_AGENTS_START_S = 120.0  # from the nodes being given to every agent connected: Python and torch starting
+_QUEUE_CHECK_S = 2.0  # how often squeue is asked while the job waits
+
+
+class SlurmHome:
+    """The ranks of a launch, one agent per node of a Slurm allocation (see the module's docstring)."""
+
+    starts_every_node: ClassVar[bool] = True
+    keeps_warm_ranks: ClassVar[bool] = False
+
+    def __init__(self, request: LaunchRequest) -> None:
+        """Check a Slurm launch's request against the allocation; nothing is started yet."""
+        r = request
+        if r.node_rank != 0 or r.master_addr != DEFAULT_MASTER_ADDR:
+            raise LaunchConfigError(
+                "with cluster='slurm', Slurm starts every node and node 0 hosts the rendezvous: leave node_rank, "
+                "master_addr and rdzv_endpoint out")
+        if r.start_method not in (None, "fork", "spawn"):
+            raise LaunchConfigError(f"with cluster='slurm', start_method must be None, 'fork' or 'spawn'; got "
+                                    f"{r.start_method!r}")
+        if r.max_restarts != 0:
+            raise LaunchConfigError("max_restarts is not supported with cluster='slurm' yet: pass max_restarts=0, or "
+                                    "resume from a checkpoint with a new launch")
+        pickling.check_picklable(r.function, r.args)
+        self.allocation = allocation = find_allocation(r.num_nodes, r.resources)
+        num_nodes = r.num_nodes or max(1, len(allocation.nodes))
+        gpus = 0 if r.cpu else allocation.gpus_per_node
+        num_processes = ranks_per_node(r, gpus)
+        if gpus and num_processes > gpus:
+            raise LaunchConfigError(
+                f"num_processes={num_processes}, but each node has {plural(gpus, 'GPU')} for the launch and a GPU rank "
+                f"needs one of its own: pass num_processes={gpus} or fewer, or cpu=True")
+        cpus = allocation.cpus_per_node or num_processes
+        if allocation.job_id is not None and not gpus and num_processes > cpus:
+            raise LaunchConfigError(
+                f"num_processes={num_processes}, but Slurm job {allocation.job_id} gives each node "
+                f"{plural(cpus, 'CPU')}: pass num_processes={cpus} or fewer, or ask Slurm for more CPUs per node")
+        self._step_options = allocation.step_options(num_nodes, cpus, gpus)
+        precision = r.mixed_precision if gpus else decided_precision(r.mixed_precision, "cpu", None)
+        check_fp8(precision, "cuda" if gpus else "cpu")
+        kind = plural(num_processes, "CUDA GPU") if gpus else "CPU"
+        self.plan = LaunchPlan(
+            request=r, num_processes=num_processes, num_nodes=num_nodes, node_rank=0, master_addr="node 0",
+            master_port=r.use_port or 0, start_method="slurm",
+            start_reason=f"{plural(num_nodes, 'node')} of {allocation.describe}, one nblaunch agent on each started "
+                         "by srun; each starts its ranks as a launch on one machine does",
+            device_kind="cuda" if gpus else "cpu",
+            devices=f"{kind}, {plural(num_processes, 'rank')} on each of {plural(num_nodes, 'Slurm node')}",
+            shown_ranks=num_processes * num_nodes, precision=precision,
+            meeting_point="node 0, once srun has started the agents", port_pinned=r.use_port is not None,
+        )
+        # What each node's agent launches there: its share, the driver keeping the clock.
+        self._node_request = dataclasses.replace(r, cluster=None, resources=None, num_nodes=num_nodes,
+                                                 num_processes=num_processes, cpu=not gpus, timeout=None,
+                                                 display="none")
+        self._log_dir = ""
+
+    def prepare(self, launch_id: str) -> None:
+        pass  # each node's own launch prepares there
+
+    def package(self, value: Any) -> Payload:
+        return Payload(cloudpickle.dumps(value, protocol=5))  # memfds stay on one machine
+
+    @contextlib.contextmanager
+    def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
+                log_dir: str) -> Iterator[NodesWatcher]:
+        started = time.monotonic()
+        token = secrets.token_hex(16)
+        name = f"nblaunch-{secrets.token_hex(4)}"
+        with Hub(token) as hub:
+            environ = {v.AGENT_TOKEN: token, "PYTHONPATH": _with_our_root(os.environ.get("PYTHONPATH", ""))}
+            driver = _driver_address(self.allocation.nodes)
+            step = AgentStep(self.allocation, self._step_options, name, driver, hub.port, environ,
+                             os.path.join(log_dir, "srun.log"))
+            try:
+                agents = hub.accept(plan.num_nodes, _reporting(step, emit), _deadline(step, time_left, started))
+                for index, agent in enumerate(agents):
+                    if agent.version != __version__:
+                        raise LaunchConfigError(f"node {index} ({agent.address}) has nblaunch {agent.version}, this "
+                                                f"notebook {__version__}: use the same environment on every node")
+                port = plan.master_port if plan.port_pinned else agents[0].free_port
+                emit(RanksPlaced(tuple(a.address for a in agents), plan.num_processes, agents[0].address, port))
+                packed = cloudpickle.dumps(self._node_request)  # the function and its arguments, once
+                dropped = (v.SLURM_INPUT_PREFIXES, v.SLURM_JOB_LEVEL)
+                for index, agent in enumerate(agents):
+                    agent.send(("start", packed, NodePlace(index, agents[0].address, port), list(sys.path), dropped))
+                left = None if time_left is None else max(0.0, time_left - (time.monotonic() - started))
+                yield NodesWatcher(SocketLinks(agents), plan.num_nodes, plan.num_processes, emit, left)
+            finally:
+                hub.close()  # every agent stops its ranks, if any still run, and ends
+                step.stop()
+
+    def keep(self) -> KeptLaunch:
+        raise LaunchConfigError("detach=True is not supported with cluster='slurm' yet: run the launch attached, "
+                                "or submit the notebook's code as a batch job")
+
+    @staticmethod
+    def kept(kinds: tuple[str, ...]) -> list[KeptLaunch]:
+        return []
+
+
+def _reporting(step: AgentStep, emit: Callable[[Event], None]) -> Callable[[], str | None]:
+    """``Hub.accept``'s check: why srun will never bring the agents; meanwhile squeue's news shown."""
+    next_check = [0.0]
+
+    def check() -> str | None:
+        why_not = step.ended()
+        if why_not is None and time.monotonic() >= next_check[0]:
+            next_check[0] = time.monotonic() + _QUEUE_CHECK_S
+            line = step.waiting_line()
+            if line is not None:
+                emit(ClusterWaiting(line))
+        return why_not
+
+    return check
+
+
+def _deadline(step: AgentStep, time_left: float | None, started: float) -> float:
+    """When waiting for the agents stops: inside an allocation, ``_AGENTS_START_S`` after the
+    step started; a job in the queue may wait as long as the launch's timeout allows."""
+    if time_left is not None:
+        return started + time_left
+    if step.allocation.job_id is None:
+        return float("inf")  # an interrupt, or timeout=, ends the wait
+    return started + _AGENTS_START_S
+
+
+def _driver_address(nodes: tuple[str, ...]) -> str:
+    """This machine's address as the nodes reach it: the one its route to the first node leaves
+    from (a host name often resolves to 127.0.1.1, which no other node can reach), else its host
+    name's (outside an allocation the nodes are not known yet)."""
+    try:
+        by_name = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        by_name = "127.0.0.1"
+    if not nodes or not by_name.startswith("127."):
+        return by_name
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(nodes[0]), 9))  # a UDP "connect" sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return by_name
+
+
+def _with_our_root(pythonpath: str) -> str:
+    """PYTHONPATH with the folder this nblaunch is imported from first: the agents run the same."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.pathsep.join([root] + [p for p in pythonpath.split(os.pathsep) if p and p != root])
