@@ -73,10 +73,10 @@ def slurm_tool(name: str) -> str:
     return path
 
 
-def run_tool(args: list[str]) -> str:
-    """A Slurm tool's output; its error, said, when it fails."""
+def run_tool(args: list[str], environ: dict[str, str] | None = None) -> str:
+    """A Slurm tool's output; its error, said, when it fails. ``environ``: ``tool_environ()``'s."""
     try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=_TOOL_S, env=tool_environ(),
+        done = subprocess.run(args, capture_output=True, text=True, timeout=_TOOL_S, env=environ or tool_environ(),
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise LaunchConfigError(f"{' '.join(args)} did not answer in {_TOOL_S:g} s: is slurmctld up?") from None

@@ -25,6 +25,7 @@ import cloudpickle
 from nblaunch.cluster.agent import NodePlace
 from nblaunch.cluster.node_socket import Hub, SocketLinks
 from nblaunch.cluster.slurm_allocation import find_allocation
+from nblaunch.cluster.slurm_kept import kept_on_slurm, submit
 from nblaunch.cluster.slurm_step import AgentStep
 from nblaunch.cluster.watcher import NodesWatcher
 from nblaunch.contract import variables as v
@@ -32,6 +33,7 @@ from nblaunch.contract.version import __version__
 from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import ClusterWaiting, Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.launch.local_home import LaunchJob
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import (
     LaunchPlan,
@@ -81,6 +83,7 @@ class SlurmHome:
                 f"num_processes={num_processes}, but Slurm job {allocation.job_id} gives each node "
                 f"{plural(cpus, 'CPU')}: pass num_processes={cpus} or fewer, or ask Slurm for more CPUs per node")
         self._step_options = allocation.step_options(num_nodes, cpus, gpus)
+        self._shape = (num_nodes, cpus, gpus)
         precision = r.mixed_precision if gpus else decided_precision(r.mixed_precision, "cpu", None)
         check_fp8(precision, "cuda" if gpus else "cpu")
         kind = plural(num_processes, "CUDA GPU") if gpus else "CPU"
@@ -136,12 +139,15 @@ class SlurmHome:
                 step.stop()
 
     def keep(self) -> KeptLaunch:
-        raise LaunchConfigError("detach=True is not supported with cluster='slurm' yet: run the launch attached, "
-                                "or submit the notebook's code as a batch job")
+        # The batch job's own allocation is the launch's: inside it, the request asks for nothing more.
+        request = dataclasses.replace(self.plan.request, display="none", resources=None, num_nodes=self._shape[0])
+        return submit(LaunchJob(request, SlurmHome), self.allocation, *self._shape,
+                      _with_our_root(os.environ.get("PYTHONPATH", "")), function=request.function_name,
+                      num_processes=self.plan.world_size)
 
     @staticmethod
     def kept(kinds: tuple[str, ...]) -> list[KeptLaunch]:
-        return []
+        return list(kept_on_slurm()) if "launch" in kinds else []
 
 
 def _reporting(step: AgentStep, emit: Callable[[Event], None]) -> Callable[[], str | None]:

@@ -31,6 +31,7 @@ from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.rendezvous import Rendezvous
 from nblaunch.launch.starting.base import Starter, kill_and_reap
 from nblaunch.launch.starting.fork import ForkStarter
@@ -138,15 +139,17 @@ class LocalHome:
 @dataclasses.dataclass
 class LaunchJob:
     """A detached launch, as its supervisor runs it: the same ``Launch`` as an attached one,
-    planned again there (the supervisor never touched CUDA, so its ranks fork), with the journal
-    as its display. SIGTERM cancels it, SIGUSR1 asks every rank for its stack."""
+    planned again there by ``home`` (this machine's: the supervisor never touched CUDA, so its
+    ranks fork; a Slurm batch job's: its allocation), with the journal as its display. SIGTERM
+    cancels it, SIGUSR1 asks every rank for its stack."""
 
     request: LaunchRequest
+    home: Callable[[LaunchRequest], RanksHome] = LocalHome
 
     def run(self, folder: str, stop_requested: threading.Event) -> None:
         try:
             journal = JournalWriter(os.path.join(folder, "journal"))
-            launch = Launch(LocalHome(dataclasses.replace(self.request, display=journal)))
+            launch = Launch(self.home(dataclasses.replace(self.request, display=journal)))
         except BaseException as error:
             store.finish(folder, "failed", ("error", error))
             raise

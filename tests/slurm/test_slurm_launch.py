@@ -277,3 +277,75 @@ def wait_until(condition, backstop: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "not within the backstop"
         time.sleep(0.1)
+
+
+def test_a_detached_launch_outlives_its_kernel_as_a_job_and_another_kernel_collects_it(slurm, tmp_path):
+    state = tmp_path / "state"  # the user's state folder: on a cluster, the shared home directory
+    first = tmp_path / "first"
+    first.mkdir()
+    started, shown = run_program(slurm, first, """
+import os
+os.environ["NBLAUNCH_STATE_DIR"] = %r
+
+def slow_world():
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    time.sleep(3)  # the kernel that started it is gone by now
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return os.environ["RANK"], int(total), os.environ["SLURMD_NODENAME"]
+
+launch = notebook_launcher(slow_world, cluster="slurm", num_nodes=2, num_processes=2, resources={"time": "10"},
+                           detach=True, display="none")
+result = launch.launch_id
+""" % str(state))
+    second = tmp_path / "second"
+    second.mkdir()
+    collected, shown = run_program(slurm, second, """
+import os
+os.environ["NBLAUNCH_STATE_DIR"] = %r
+import nblaunch
+listed = [(info.id, info.function, info.ranks) for info in nblaunch.launches()]
+launch = nblaunch.attach(display="text")
+result = {"listed": listed, "results": launch.result(timeout=180), "status": launch.status}
+""" % str(state))
+    assert collected["listed"] == [[started, "slow_world", 4]], collected
+    assert collected["results"] == [["0", 4, "nbl1"], ["1", 4, "nbl1"], ["2", 4, "nbl2"], ["3", 4, "nbl2"]], shown
+    assert collected["status"] == "done"
+    assert "[rank 3]" in shown or "all 4 ranks done" in shown, shown
+
+
+def test_a_detached_launch_is_cancelled_from_another_kernel_and_its_job_ends(slurm, tmp_path):
+    state = tmp_path / "state"
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    run_program(slurm, tmp_path / "first", """
+import os
+os.environ["NBLAUNCH_STATE_DIR"] = %r
+
+def sleeps():
+    import time
+    print("running", flush=True)
+    time.sleep(600)
+
+result = notebook_launcher(sleeps, cluster="slurm", num_processes=1, resources={"time": "10"}, detach=True,
+                           display="none").launch_id
+""" % str(state))
+    cancelled, shown = run_program(slurm, tmp_path / "second", """
+import os, time
+os.environ["NBLAUNCH_STATE_DIR"] = %r
+import nblaunch
+launch = nblaunch.attach(display="none")
+while launch.status != "running":
+    time.sleep(0.1)
+while "running" not in launch.logs(0):
+    time.sleep(0.1)
+asked = launch.cancel()
+try:
+    launch.result(timeout=120)
+    result = "finished"
+except Exception as error:
+    result = {"asked": asked, "error": type(error).__name__, "status": launch.status}
+""" % str(state))
+    assert cancelled == {"asked": True, "error": "LaunchCancelledError", "status": "cancelled"}, (cancelled, shown)
