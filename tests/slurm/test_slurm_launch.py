@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -240,12 +242,31 @@ with WarmRanks(cluster="slurm", display="none") as ranks:
 def test_a_kernel_killed_mid_launch_leaves_no_step_agent_or_rank_in_its_allocation(slurm, tmp_path):
     # A kernel in a long-lived allocation (Open OnDemand's batch job), SIGKILLed by a restart: the
     # allocation stays, and nothing of the launch may stay in it.
-    holder = slurm.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--job-name=holder", "--output=/dev/null",
-                        "--wrap",
-                        "sleep 300"]).stdout.strip()
+    with kernel_in_an_allocation(slurm, tmp_path) as kernel:
+        kernel.kill()
+        kernel.wait()
+    wait_until(lambda: not _steps_of_launches(slurm) and not _agents_alive(), 60)
+
+
+def test_an_interrupt_shows_every_ranks_stack_then_stops_every_node(slurm, tmp_path):
+    with kernel_in_an_allocation(slurm, tmp_path) as kernel:
+        kernel.send_signal(signal.SIGINT)  # Jupyter's interrupt
+        shown, _ = kernel.communicate(timeout=120)
+    assert "LaunchInterrupted" in shown, shown
+    for rank in range(4):
+        assert f"[rank {rank}] stopped at" in shown and "in sleeps" in shown, shown
+    wait_until(lambda: not _steps_of_launches(slurm) and not _agents_alive(), 60)
+
+
+@contextlib.contextmanager
+def kernel_in_an_allocation(slurm, tmp_path):
+    """A program standing for a kernel inside a 2-node job (its SLURM_* as Slurm sets them),
+    in a launch whose 4 ranks all run; the job is cancelled after."""
+    holder = slurm.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--job-name=holder",
+                        "--output=/dev/null", "--wrap", "sleep 300"]).stdout.strip()
     try:
         wait_until(lambda: ("RUNNING" in [state for job, state, _ in slurm.jobs() if job == holder]), 60)
-        program = tmp_path / "killed.py"
+        program = tmp_path / "kernel.py"
         program.write_text(textwrap.dedent("""
             import time
             from nblaunch import notebook_launcher
@@ -259,17 +280,22 @@ def test_a_kernel_killed_mid_launch_leaves_no_step_agent_or_rank_in_its_allocati
                        SLURM_JOB_CPUS_PER_NODE="2(x2)")
         kernel = subprocess.Popen([sys.executable, str(program)], env=environ, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-        running = 0
-        for line in kernel.stdout:
-            running += "rank is running" in line
-            if running == 4:
-                break
-        assert running == 4, "the ranks never ran"
-        kernel.kill()
-        kernel.wait()
-        wait_until(lambda: not [s for s in slurm.steps() if s[1].startswith("nblaunch-")] and not _agents_alive(), 60)
+        try:
+            running = 0
+            for line in kernel.stdout:
+                running += "rank is running" in line
+                if running == 4:
+                    break
+            assert running == 4, "the ranks never ran"
+            yield kernel
+        finally:
+            kernel.kill()
     finally:
         slurm.run(["scancel", holder])
+
+
+def _steps_of_launches(slurm) -> list:
+    return [step for step in slurm.steps() if step[1].startswith("nblaunch-")]
 
 
 def wait_until(condition, backstop: float) -> None:
