@@ -177,7 +177,8 @@ def apply_config(options: argparse.Namespace, config: AccelerateConfig | None) -
     fsdp_flags = [key for key in FSDP_VARIABLES if getattr(options, key) is not None]
     if config is not None:
         _fill(options, config)
-    for name, default in (("mixed_precision", "no"), ("num_nodes", 1), ("node_rank", 0), ("master_addr", "127.0.0.1")):
+    # num_nodes stays None unless given: one node here, every node of a Slurm allocation.
+    for name, default in (("mixed_precision", "no"), ("node_rank", 0), ("master_addr", "127.0.0.1")):
         if getattr(options, name) is None:
             setattr(options, name, default)
     if not options.use_fsdp:

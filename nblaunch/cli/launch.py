@@ -113,7 +113,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="port of the rendezvous on node 0 (default: a free one; give it with --num-nodes > 1)")
     add("--cluster", choices=[name for name in HOMES if name is not None], default=None,
         help="start the ranks on the nodes of a cluster: ray, the Ray cluster this machine is connected to "
-             "(needs nblaunch[ray])")
+             "(needs nblaunch[ray]); slurm, this Slurm job's nodes (every one unless --num-nodes)")
     add("--timeout", type=seconds, default=None, metavar="S",
         help="stop every rank, showing where each was, after S seconds")
     add("--max-restarts", "--max_restarts", type=at_least_zero, default=0, metavar="M",

@@ -375,3 +375,18 @@ except Exception as error:
     result = {"asked": asked, "error": type(error).__name__, "status": launch.status}
 """ % str(state))
     assert cancelled == {"asked": True, "error": "LaunchCancelledError", "status": "cancelled"}, (cancelled, shown)
+
+
+def test_nblaunch_launch_runs_a_script_on_every_node_of_the_job(slurm, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('world', os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                      "os.environ['SLURMD_NODENAME'], flush=True)\n")
+    environ = slurm.environ()
+    environ["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(["salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "nblaunch", "launch",
+                           "--cluster", "slurm", str(script)],
+                          env=environ, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown
+    for rank, node in ((0, "nbl1"), (1, "nbl1"), (2, "nbl2"), (3, "nbl2")):
+        assert f"world {rank} 4 {node}" in shown, shown
