@@ -98,6 +98,9 @@ class RayHome:
     def prepare(self, launch_id: str) -> None:
         pass  # each node's own launch prepares there
 
+    def shared_log_root(self) -> str | None:
+        return None  # the driver's machine; each node keeps its own too
+
     def package(self, value: Any) -> Payload:
         return Payload(cloudpickle.dumps(value, protocol=5))  # Ray carries it; memfds stay on one machine
 

@@ -30,6 +30,7 @@ from nblaunch.cluster.slurm_step import AgentStep
 from nblaunch.cluster.watcher import NodesWatcher
 from nblaunch.contract import variables as v
 from nblaunch.contract.version import __version__
+from nblaunch.detached import store
 from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import ClusterWaiting, Event, RanksPlaced
 from nblaunch.launch.errors import LaunchConfigError
@@ -105,6 +106,11 @@ class SlurmHome:
 
     def prepare(self, launch_id: str) -> None:
         pass  # each node's own launch prepares there
+
+    def shared_log_root(self) -> str | None:
+        # The state folder is on the home directory every node shares: the logs of a launch kept
+        # by a batch job, or run from a node of the allocation, are read from the login node too.
+        return os.path.join(store.state_root(), "logs")
 
     def package(self, value: Any) -> Payload:
         return Payload(cloudpickle.dumps(value, protocol=5))  # memfds stay on one machine

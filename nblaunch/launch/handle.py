@@ -67,7 +67,7 @@ class Launch:
         # Made on the caller's thread: a home may import for the ranks or check the cluster first.
         self._home = home
         self._home.prepare(self.launch_id)
-        self.log_dir = new_log_dir()
+        self.log_dir = new_log_dir(home.shared_log_root())
         self._logs = LogFiles(self.log_dir, plan.shown_ranks)
         # Made here, on the caller's thread: a widget shows itself in the launching cell.
         self._display = make_display(plan.request.display, plan.shown_ranks)

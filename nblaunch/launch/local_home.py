@@ -79,6 +79,9 @@ class LocalHome:
         for message in registry.stop_stale_ranks():
             print(f"nblaunch: {message}", file=sys.stderr)
 
+    def shared_log_root(self) -> str | None:
+        return None  # this machine: its temporary folder
+
     def package(self, value: Any) -> Payload:
         return package(value)  # big tensors and arrays in memfds the ranks map
 

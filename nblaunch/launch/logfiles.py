@@ -16,10 +16,25 @@ _PRUNE_AT = 40  # ...and older ones removed in batches, not one at every launch
 
 _YOUNG_S = 600  # a folder made this recently may belong to a launch not yet recorded
 _STAMP = "%Y%m%d-%H%M%S"
+_SHARED_KEEP_S = 7 * 24 * 3600  # a shared folder's logs: a week after their last line
 
 
-def new_log_dir() -> str:
-    """A new folder for one launch's logs; old folders of finished launches are pruned."""
+def new_log_dir(shared_root: str | None = None) -> str:
+    """A new folder for one launch's logs; old folders of finished launches are pruned.
+
+    ``shared_root``: a folder other machines' launches write to as well (a cluster's shared home
+    directory), whose running launches this machine cannot see: only folders untouched for
+    ``_SHARED_KEEP_S`` are pruned there."""
+    if shared_root is not None:
+        os.makedirs(shared_root, mode=0o700, exist_ok=True)
+        for name in sorted(os.listdir(shared_root))[:-_KEEP_LAUNCHES]:
+            path = os.path.join(shared_root, name)
+            try:
+                if time.time() - os.path.getmtime(path) > _SHARED_KEEP_S:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                continue  # removed meanwhile by another machine's launch
+        return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=shared_root)
     root = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
     os.makedirs(root, mode=0o700, exist_ok=True)
     old = sorted(os.listdir(root))

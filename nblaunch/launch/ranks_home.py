@@ -55,6 +55,10 @@ class RanksHome(Protocol):
     def prepare(self, launch_id: str) -> None:
         """Called by each new launch on the caller's thread, before anything is shown."""
 
+    def shared_log_root(self) -> str | None:
+        """Where the launch keeps its ranks' logs when they must be readable from other machines
+        (a cluster's shared home directory); None: this machine's temporary folder."""
+
     def package(self, value: Any) -> Payload:
         """``value`` (a warm call) pickled for ranks that do not share this process's memory."""
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -144,7 +143,7 @@ except RankFailedError as error:
     result = {"rank": error.root_cause.rank, "text": str(error).splitlines()[0], "cause": type(error.__cause__).__name__}
 """, salloc=["-N2", "--ntasks-per-node=2"])
     assert result["rank"] == 3 and "rank 3 cannot go on" in json.dumps(result), (result, shown)
-    assert not _agents_alive(), "an agent or a rank outlived the launch"
+    assert not _agents_alive(slurm), "an agent or a rank outlived the launch"
 
 
 def test_a_timeout_shows_every_ranks_stack_then_stops_all(slurm, tmp_path):
@@ -162,7 +161,7 @@ except LaunchTimeoutError as error:
     result = {rank: "sleeps_in_a_named_place" in text for rank, text in error.stacks.items()}
 """, salloc=["-N2", "--ntasks-per-node=2"])
     assert result == {"0": True, "1": True, "2": True, "3": True}, (result, shown)
-    assert not _agents_alive()
+    assert not _agents_alive(slurm)
 
 
 def test_a_lightning_trainer_trains_in_the_world_nblaunch_made(slurm, tmp_path):
@@ -201,12 +200,17 @@ result = notebook_launcher(fit, cluster="slurm", display="none")
     assert {r["steps"] for r in result} == {4}
 
 
-def _agents_alive() -> list[str]:
-    """nblaunch agents (and their ranks) still running on this machine."""
+def _agents_alive(slurm) -> list[str]:
+    """nblaunch agents (and the srun that starts them) of this test's cluster still running (those
+    of another Slurm on the machine carry another SLURM_CONF)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(process.info["cmdline"] or [])
-        if "nblaunch.cluster.socket_agent" in cmdline and process.pid != os.getpid():
+        try:
+            ours = process.environ().get("SLURM_CONF") == str(slurm.conf_path)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "nblaunch.cluster.socket_agent" in cmdline and ours:
             found.append(cmdline)
     return found
 
@@ -236,7 +240,7 @@ with WarmRanks(cluster="slurm", display="none") as ranks:
     assert result["nodes"] == ["nbl1", "nbl1", "nbl2", "nbl2"], (result, shown)
     assert result["kept"] == [[0, 60], [10, 60], [20, 60], [30, 60]]
     assert result["call_s"] < 5, result  # a call, not a launch (a generous bound: the cores are shared)
-    assert not _agents_alive()
+    assert not _agents_alive(slurm)
 
 
 def test_a_kernel_killed_mid_launch_leaves_no_step_agent_or_rank_in_its_allocation(slurm, tmp_path):
@@ -245,7 +249,7 @@ def test_a_kernel_killed_mid_launch_leaves_no_step_agent_or_rank_in_its_allocati
     with kernel_in_an_allocation(slurm, tmp_path) as kernel:
         kernel.kill()
         kernel.wait()
-    wait_until(lambda: not _steps_of_launches(slurm) and not _agents_alive(), 60)
+    wait_until(lambda: not _steps_of_launches(slurm) and not _agents_alive(slurm), 60)
 
 
 def test_an_interrupt_shows_every_ranks_stack_then_stops_every_node(slurm, tmp_path):
@@ -255,7 +259,7 @@ def test_an_interrupt_shows_every_ranks_stack_then_stops_every_node(slurm, tmp_p
     assert "LaunchInterrupted" in shown, shown
     for rank in range(4):
         assert f"[rank {rank}] stopped at" in shown and "in sleeps" in shown, shown
-    wait_until(lambda: not _steps_of_launches(slurm) and not _agents_alive(), 60)
+    wait_until(lambda: not _steps_of_launches(slurm) and not _agents_alive(slurm), 60)
 
 
 @contextlib.contextmanager
@@ -317,6 +321,7 @@ def slow_world():
     import os, time
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
+    print("rank", os.environ["RANK"], "says so in its log", flush=True)
     time.sleep(3)  # the kernel that started it is gone by now
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -334,11 +339,14 @@ os.environ["NBLAUNCH_STATE_DIR"] = %r
 import nblaunch
 listed = [(info.id, info.function, info.ranks) for info in nblaunch.launches()]
 launch = nblaunch.attach(display="text")
-result = {"listed": listed, "results": launch.result(timeout=180), "status": launch.status}
+result = {"listed": listed, "results": launch.result(timeout=180), "status": launch.status,
+          "log": launch.logs(3), "log_dir": launch.log_dir}
 """ % str(state))
     assert collected["listed"] == [[started, "slow_world", 4]], collected
     assert collected["results"] == [["0", 4, "nbl1"], ["1", 4, "nbl1"], ["2", 4, "nbl2"], ["3", 4, "nbl2"]], shown
     assert collected["status"] == "done"
+    # The ranks' logs are in the user's state folder, which the nodes share, not in a node's /tmp.
+    assert collected["log_dir"].startswith(str(state)) and "rank 3 says so in its log" in collected["log"], collected
     assert "[rank 3]" in shown or "all 4 ranks done" in shown, shown
 
 
