@@ -97,6 +97,11 @@ result = notebook_launcher(who_am_i, cluster="slurm", num_nodes=2, num_processes
     assert [r["rank"] for r in result] == [0, 1, 2, 3], shown
     assert sorted({r["slurmd_node"] for r in result}) == ["nbl1", "nbl2"], result
     assert "a new Slurm allocation (--time=10)" in shown, shown
+    # The job it asked for ended with the launch (squeue: nothing_left_in_slurm), and Slurm's
+    # accounting says it completed, not that it was cancelled or ran out of time.
+    wait_until(lambda: _accounted(slurm), 30)
+    latest = max(_accounted(slurm).items(), key=lambda job: int(job[0]))
+    assert latest[1] == "COMPLETED", _accounted(slurm)
 
 
 def test_a_job_in_the_queue_is_shown_waiting_until_it_starts(slurm, tmp_path):
@@ -298,6 +303,12 @@ def kernel_in_an_allocation(slurm, tmp_path):
         slurm.run(["scancel", holder])
 
 
+def _accounted(slurm) -> dict[str, str]:
+    """{job id: state} of the finished jobs nblaunch asked for, as sacct reads them."""
+    lines = slurm.run(["sacct", "-c", "-n", "-P", "-o", "JobID,JobName,State"]).stdout.splitlines()
+    return {job: state for job, name, state in (line.split("|") for line in lines) if name.startswith("nblaunch-")}
+
+
 def _steps_of_launches(slurm) -> list:
     return [step for step in slurm.steps() if step[1].startswith("nblaunch-")]
 
@@ -330,6 +341,8 @@ def slow_world():
 launch = notebook_launcher(slow_world, cluster="slurm", num_nodes=2, num_processes=2, resources={"time": "10"},
                            detach=True, display="none")
 result = launch.launch_id
+print("RESULT " + json.dumps(result), flush=True)
+os.kill(os.getpid(), 9)  # the kernel is killed: the launch is a job of its own
 """ % str(state))
     second = tmp_path / "second"
     second.mkdir()
