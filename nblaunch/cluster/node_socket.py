@@ -12,8 +12,9 @@ Example (what ``SlurmHome.attempt`` does)::
 
     with Hub(token) as hub:                   # listening on every interface, a free port
         ...                                   # srun starts one agent per node, told hub.port
-        hellos = hub.accept(2, still_starting)  # every agent connected, in node order
-        links = SocketLinks(hub.agents)       # the watcher's NodeLinks
+        while not hub.accept_for(2, 0.2):     # until both nodes' agents have said hello
+            ...                               # (meanwhile: cancelled? timed out? srun ended?)
+        links = SocketLinks(hub.in_order())   # the watcher's NodeLinks
 """
 
 from __future__ import annotations
@@ -25,15 +26,12 @@ import select
 import socket
 import struct
 import threading
-import time
-from typing import Callable
 
 import cloudpickle
 
 from nblaunch.cluster.watcher import NodeNews
-from nblaunch.launch.errors import LaunchConfigError
 
-_LENGTH = struct.Struct("!I")
+_LENGTH = struct.Struct("!Q")  # a node's results may pass 4 GiB
 TOKEN_BYTES = 32  # hex characters of the token an agent sends first
 
 
@@ -85,13 +83,15 @@ class AgentConnection:
 
 
 class Hub:
-    """The driver's listening socket; ``accept`` collects one connection per node."""
+    """The driver's listening socket; :meth:`accept_for` collects one connection per node, each
+    greeted on a thread of its own (a silent connection holds up nobody)."""
 
     def __init__(self, token: str) -> None:
         self._token = token.encode()
         self._listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=128)
         self.port = self._listener.getsockname()[1]
-        self.agents: list[AgentConnection] = []
+        self.agents: dict[int, AgentConnection] = {}  # by node, as they said hello
+        self._greeted: queue.Queue[AgentConnection] = queue.Queue()
 
     def __enter__(self) -> Hub:
         return self
@@ -99,31 +99,25 @@ class Hub:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def accept(self, num_nodes: int, still_starting: Callable[[], str | None], deadline: float) -> list[AgentConnection]:
-        """Wait until the agents of nodes 0..num_nodes-1 have connected and said hello; they are
-        then in ``self.agents`` in node order. ``still_starting()`` returns why the agents will
-        never come (their step ended), else None; past ``deadline`` (monotonic) the wait fails."""
-        by_node: dict[int, AgentConnection] = {}
-        while len(by_node) < num_nodes:
-            why_not = still_starting()
-            if why_not is not None:
-                raise LaunchConfigError(why_not)
-            if time.monotonic() > deadline:
-                raise LaunchConfigError(
-                    f"only {len(by_node)} of {num_nodes} nodes' nblaunch agents reached this kernel (port "
-                    f"{self.port}) in time: can the nodes connect to this machine? (a firewall between compute "
-                    "and login nodes blocks it; run the notebook inside the allocation instead)")
-            ready, _, _ = select.select([self._listener], [], [], 0.2)
-            if not ready:
-                continue
+    def accept_for(self, num_nodes: int, seconds: float) -> bool:
+        """Take the connections that arrive within ``seconds``; True once nodes 0..num_nodes-1
+        have all said hello."""
+        ready, _, _ = select.select([self._listener], [], [], seconds)
+        if ready:
             sock, _ = self._listener.accept()
-            connection = self._greet(sock)
-            if connection is not None and 0 <= connection.node < num_nodes:
-                by_node[connection.node] = connection
-        self.agents = [by_node[index] for index in range(num_nodes)]
-        return self.agents
+            threading.Thread(target=self._greet, args=(sock,), name="nblaunch-hub-greeting", daemon=True).start()
+        while not self._greeted.empty():
+            connection = self._greeted.get()
+            if 0 <= connection.node < num_nodes and connection.node not in self.agents:
+                self.agents[connection.node] = connection
+            else:
+                connection.close()  # not one of this launch's nodes, or a node twice
+        return len(self.agents) == num_nodes
 
-    def _greet(self, sock: socket.socket) -> AgentConnection | None:
+    def in_order(self) -> list[AgentConnection]:
+        return [self.agents[node] for node in sorted(self.agents)]
+
+    def _greet(self, sock: socket.socket) -> None:
         """The agent's token, then its hello; anything else is closed unread."""
         sock.settimeout(10.0)  # a connection that says nothing is not an agent
         try:
@@ -135,15 +129,17 @@ class Hub:
                 raise ValueError("no hello")
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, struct.error):
             sock.close()
-            return None
+            return
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return AgentConnection(sock, hello)
+        self._greeted.put(AgentConnection(sock, hello))
 
     def close(self) -> None:
         """Every agent sees its connection end (and stops its ranks); no new one is taken."""
         self._listener.close()
-        for agent in self.agents:
+        while not self._greeted.empty():
+            self._greeted.get().close()
+        for agent in self.agents.values():
             agent.close()
 
 
@@ -151,8 +147,9 @@ class SocketLinks:
     """``cluster/watcher.NodeLinks`` over the agents' sockets: a thread per agent reads its
     frames into one queue, which ``poll`` empties."""
 
-    def __init__(self, agents: list[AgentConnection]) -> None:
+    def __init__(self, agents: list[AgentConnection], where_to_look: str = "") -> None:
         self._agents = agents
+        self._where_to_look = where_to_look  # said with a lost agent: where its last words are
         self._news: queue.Queue[NodeNews] = queue.Queue()
         for index, agent in enumerate(agents):
             threading.Thread(target=self._read, args=(index, agent), name=f"nblaunch-node{index}-reader",
@@ -168,7 +165,7 @@ class SocketLinks:
         except Exception as error:  # noqa: BLE001  closed, reset, or a frame this process cannot load
             what = "lost" if isinstance(error, (EOFError, OSError)) else "unreadable here"
             self._news.put(NodeNews(index, lost=f"its node's nblaunch agent was {what} ({type(error).__name__}: "
-                                                f"{error})"))
+                                                f"{error}){self._where_to_look}"))
 
     def poll(self, live: list[int], timeout: float) -> list[NodeNews]:
         news: list[NodeNews] = []

@@ -135,10 +135,15 @@ def cpu_counts(coded: str) -> list[int]:
 
 
 def _gpus_on_node() -> int:
-    """The GPUs the job has on this node (the kernel's): Slurm's count, else its list of them."""
+    """The GPUs the job has on each node: Slurm's count on this node (the kernel's), else what
+    the job asked for each node (a kernel on a login node, in salloc, has no GPU of the job),
+    else the list of this node's."""
     count = os.environ.get(v.SLURM_GPUS_ON_NODE, "")
     if count.isdigit():
         return int(count)
+    asked = re.fullmatch(r"(?:[\w-]+:)?(\d+)", os.environ.get(v.SLURM_GPUS_PER_NODE, "").strip())
+    if asked:
+        return int(asked.group(1))
     listed = os.environ.get(v.SLURM_JOB_GPUS, "")
     return len([g for g in listed.split(",") if g.strip()])
 

@@ -17,22 +17,19 @@ import os
 import secrets
 import socket
 import sys
-import time
 from typing import Any, Callable, ClassVar, Iterator
 
 import cloudpickle
 
-from nblaunch.cluster.agent import NodePlace
-from nblaunch.cluster.node_socket import Hub, SocketLinks
+from nblaunch.cluster.node_socket import Hub
 from nblaunch.cluster.slurm_allocation import find_allocation
 from nblaunch.cluster.slurm_kept import kept_on_slurm, submit
+from nblaunch.cluster.slurm_start import SlurmStart
 from nblaunch.cluster.slurm_step import AgentStep
-from nblaunch.cluster.watcher import NodesWatcher
 from nblaunch.contract import variables as v
-from nblaunch.contract.version import __version__
 from nblaunch.detached import store
 from nblaunch.detached.kept_launch import KeptLaunch
-from nblaunch.events import ClusterWaiting, Event, RanksPlaced
+from nblaunch.events import Event
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.local_home import LaunchJob
 from nblaunch.launch.planning import pickling
@@ -46,8 +43,6 @@ from nblaunch.launch.planning.plan import (
 from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
 from nblaunch.launch.starting.packing import Payload
 
-_AGENTS_START_S = 120.0  # from the nodes being given to every agent connected: Python and torch starting
-_QUEUE_CHECK_S = 2.0  # how often squeue is asked while the job waits
 
 
 class SlurmHome:
@@ -74,6 +69,8 @@ class SlurmHome:
         num_nodes = r.num_nodes or max(1, len(allocation.nodes))
         gpus = 0 if r.cpu else allocation.gpus_per_node
         num_processes = ranks_per_node(r, gpus)
+        if r.num_processes is None and not gpus and allocation.job_id is not None:
+            num_processes = min(num_processes, allocation.cpus_per_node)  # salloc -N2 gives 1 CPU each
         if gpus and num_processes > gpus:
             raise LaunchConfigError(
                 f"num_processes={num_processes}, but each node has {plural(gpus, 'GPU')} for the launch and a GPU rank "
@@ -117,32 +114,22 @@ class SlurmHome:
 
     @contextlib.contextmanager
     def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
-                log_dir: str) -> Iterator[NodesWatcher]:
-        started = time.monotonic()
+                log_dir: str) -> Iterator[SlurmStart]:
         token = secrets.token_hex(16)
-        name = f"nblaunch-{secrets.token_hex(4)}"
+        packed = cloudpickle.dumps(self._node_request)  # the function and its arguments, once for every node
+        dropped = (v.SLURM_INPUT_PREFIXES, v.SLURM_JOB_LEVEL)
         with Hub(token) as hub:
             environ = {v.AGENT_TOKEN: token, "PYTHONPATH": _with_our_root(os.environ.get("PYTHONPATH", ""))}
-            driver = _driver_address(self.allocation.nodes)
-            step = AgentStep(self.allocation, self._step_options, name, driver, hub.port, environ,
+            step = AgentStep(self.allocation, self._step_options, f"nblaunch-{secrets.token_hex(4)}",
+                             _driver_address(self.allocation.nodes), hub.port, environ,
                              os.path.join(log_dir, "srun.log"))
+            start = SlurmStart(hub, step, plan, lambda place: ("start", packed, place, list(sys.path), dropped),
+                               emit, time_left)
             try:
-                agents = hub.accept(plan.num_nodes, _reporting(step, emit), _deadline(step, time_left, started))
-                for index, agent in enumerate(agents):
-                    if agent.version != __version__:
-                        raise LaunchConfigError(f"node {index} ({agent.address}) has nblaunch {agent.version}, this "
-                                                f"notebook {__version__}: use the same environment on every node")
-                port = plan.master_port if plan.port_pinned else agents[0].free_port
-                emit(RanksPlaced(tuple(a.address for a in agents), plan.num_processes, agents[0].address, port))
-                packed = cloudpickle.dumps(self._node_request)  # the function and its arguments, once
-                dropped = (v.SLURM_INPUT_PREFIXES, v.SLURM_JOB_LEVEL)
-                for index, agent in enumerate(agents):
-                    agent.send(("start", packed, NodePlace(index, agents[0].address, port), list(sys.path), dropped))
-                left = None if time_left is None else max(0.0, time_left - (time.monotonic() - started))
-                yield NodesWatcher(SocketLinks(agents), plan.num_nodes, plan.num_processes, emit, left)
+                yield start
             finally:
                 hub.close()  # every agent stops its ranks, if any still run, and ends
-                step.stop()
+                step.stop(agents_came=start.placed)
 
     def keep(self) -> KeptLaunch:
         # The batch job's own allocation is the launch's: inside it, the request asks for nothing more.
@@ -154,32 +141,6 @@ class SlurmHome:
     @staticmethod
     def kept(kinds: tuple[str, ...]) -> list[KeptLaunch]:
         return list(kept_on_slurm()) if "launch" in kinds else []
-
-
-def _reporting(step: AgentStep, emit: Callable[[Event], None]) -> Callable[[], str | None]:
-    """``Hub.accept``'s check: why srun will never bring the agents; meanwhile squeue's news shown."""
-    next_check = [0.0]
-
-    def check() -> str | None:
-        why_not = step.ended()
-        if why_not is None and time.monotonic() >= next_check[0]:
-            next_check[0] = time.monotonic() + _QUEUE_CHECK_S
-            line = step.waiting_line()
-            if line is not None:
-                emit(ClusterWaiting(line))
-        return why_not
-
-    return check
-
-
-def _deadline(step: AgentStep, time_left: float | None, started: float) -> float:
-    """When waiting for the agents stops: inside an allocation, ``_AGENTS_START_S`` after the
-    step started; a job in the queue may wait as long as the launch's timeout allows."""
-    if time_left is not None:
-        return started + time_left
-    if step.allocation.job_id is None:
-        return float("inf")  # an interrupt, or timeout=, ends the wait
-    return started + _AGENTS_START_S
 
 
 def _driver_address(nodes: tuple[str, ...]) -> str:

@@ -21,7 +21,7 @@ from nblaunch.cluster.slurm_allocation import Allocation, run_tool, slurm_tool, 
 from nblaunch.detached import store
 from nblaunch.detached.jobs import new_job_folder
 from nblaunch.detached.kept_launch import KeptInAFolder
-from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError
 
 KIND = "slurm launch"  # the state's kind: this machine's supervisors list "launch" folders only
 _ASK_EVERY_S = 2.0
@@ -65,26 +65,44 @@ class KeptInSlurm(KeptInAFolder):
 
     def alive(self) -> bool:
         state = self.state()
-        if "ended" in state:
+        if "ended" in state or state.get("slurm_job_over"):
             return False
         job = state.get("slurm_job")
         if job is None or time.monotonic() - self._asked_at < _ASK_EVERY_S:
             return self._running  # being submitted; or squeue was asked a moment ago (a dashboard asks often)
-        try:
-            status = run_tool([slurm_tool("squeue"), "-h", "-j", job, "-o", "%T"]).strip()
-        except LaunchConfigError:
+        status = self._job_state(job)
+        if status is None:
             return True  # Slurm cannot be asked now; the job's own end will show
         self._asked_at, self._running = time.monotonic(), status not in _OVER
-        # The job may end between the supervisor's last word and this answer: its folder decides.
-        return self._running or "ended" in self.state()
+        if not self._running:
+            # Remembered: squeue forgets a job minutes after it ended (then "Invalid job id").
+            store.write_state(self.folder, slurm_job_over=True)
+            # The job may end between the supervisor's last word and this answer: its folder decides.
+            return "ended" in self.state()
+        return True
+
+    @staticmethod
+    def _job_state(job: str) -> str | None:
+        """squeue's state of ``job`` ("" once it is gone), None when squeue cannot be asked."""
+        try:
+            return run_tool([slurm_tool("squeue"), "-h", "-j", job, "-o", "%T"]).strip()
+        except LaunchConfigError as error:
+            return "" if "Invalid job id" in str(error) else None
 
     def signal(self, what: str) -> bool:
         state = self.state()
         if "ended" in state or "slurm_job" not in state or not self.alive():
             return False
+        job = state["slurm_job"]
+        if self._job_state(job) == "PENDING":
+            if what == "cancel":  # never started: Slurm forgets it, and the launch is said cancelled here
+                run_tool([slurm_tool("scancel"), job])
+                store.finish(self.folder, "cancelled", ("error", LaunchCancelledError(
+                    f"the detached launch was cancelled while its Slurm job {job} waited in the queue")))
+            return what == "cancel"
         name = {"cancel": "TERM", "stacks": "USR1"}[what]
         # The batch script is the supervisor itself (exec): its handlers cancel, or ask for stacks.
-        run_tool([slurm_tool("scancel"), "--batch", f"--signal={name}", state["slurm_job"]])
+        run_tool([slurm_tool("scancel"), "--batch", f"--signal={name}", job])
         return True
 
     def lost_message(self) -> str:

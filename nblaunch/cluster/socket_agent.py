@@ -1,7 +1,10 @@
-"""``python -m nblaunch.cluster.socket_agent HOST PORT NODE_VARIABLE``: one node's agent,
-started by an engine that only starts processes (Slurm's ``srun``, one task per node).
+"""``python -m nblaunch.cluster.socket_agent HOST PORT NODE_VARIABLE [HOST_VARIABLE]``: one
+node's agent, started by an engine that only starts processes (Slurm's ``srun``, one task per node).
 
-It connects to the driver's :class:`~nblaunch.cluster.node_socket.Hub` at ``HOST:PORT``, shows
+It connects to the driver's :class:`~nblaunch.cluster.node_socket.Hub` at ``HOST:PORT`` (or at
+the address in the environment variable ``HOST_VARIABLE`` first: Slurm's
+``SLURM_LAUNCH_NODE_IPADDR``, srun's host as the node reached it, is right where a host name
+resolves to a loopback address), shows
 the token it was given in ``NBLAUNCH_AGENT_TOKEN`` (an environment variable: a command line is
 readable by every user of the node), says which node it is (the number in the environment
 variable ``NODE_VARIABLE``, Slurm's ``SLURM_PROCID``), where it is and a port free there, then
@@ -17,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 
 from nblaunch.cluster.agent import NodeAgent
 from nblaunch.cluster.node_socket import receive_frame, send_frame
@@ -32,7 +36,7 @@ def main(argv: list[str]) -> int:
     host, port, node_variable = argv[0], int(argv[1]), argv[2]
     token = os.environ.pop(v.AGENT_TOKEN, "")  # not for the ranks
     node = int(os.environ[node_variable])
-    sock = socket.create_connection((host, port), timeout=_CONNECT_S)
+    sock = _connect([os.environ.get(name, "") for name in argv[3:]] + [host], port)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # The address this node reached the driver from: one the other nodes can reach as well.
@@ -47,46 +51,71 @@ def main(argv: list[str]) -> int:
     sock.sendall(token.encode())
     send(("hello", node, address, ports.choose_port(address, None, hosted_here=True), __version__))
     pump: threading.Thread | None = None
+    stopped_by_slurm = threading.Event()
 
-    def on_terminate(*_: object) -> None:  # srun's cancel: stop the ranks as an interrupt would, then go
+    def on_terminate(*_: object) -> None:  # Slurm's stop (time limit, preemption, scancel): as an interrupt
         if pump is None:
             os._exit(143)
+        stopped_by_slurm.set()
         agent.cancel("stop")
 
     signal.signal(signal.SIGTERM, on_terminate)
-    try:
-        while True:
+    while True:
+        try:
             message = receive_frame(sock)
-            kind = message[0]
-            if kind == "start":
-                _, packed_request, place, driver_path, dropped = message
+        except (EOFError, OSError):
+            break  # the driver is gone, or done with this node
+        kind = message[0]
+        if kind == "start":
+            _, packed_request, place, driver_path, dropped = message
+            try:
                 _drop_variables(dropped)
                 agent.start(packed_request, place, driver_path)
-                pump = threading.Thread(target=_forward_news, args=(agent, send), name="nblaunch-agent-news")
-                pump.start()
-            elif kind == "cancel":
-                agent.cancel(message[1])
-            elif kind == "stacks":
-                agent.request_stacks()
-            elif kind == "send":
-                agent.send(message[1], message[2])
-    except (EOFError, OSError):
-        pass  # the driver is gone, or done with this node
+            except BaseException:  # noqa: BLE001  the driver says why this node never ran
+                send(("news", [], ("stopped", f"node {node} could not start its ranks:\n{traceback.format_exc()}")))
+                break
+            pump = threading.Thread(target=_forward_news, args=(agent, send, stopped_by_slurm),
+                                    name="nblaunch-agent-news")
+            pump.start()
+        elif kind == "cancel":
+            agent.cancel(message[1])
+        elif kind == "stacks":
+            agent.request_stacks()
+        elif kind == "send":
+            agent.send(message[1], message[2])
     if pump is not None and pump.is_alive():  # the kernel went away mid-launch: stop the ranks first
         agent.cancel("stop")
         pump.join(_STOP_S)
     return 0
 
 
-def _forward_news(agent: NodeAgent, send) -> None:
+def _connect(hosts: list[str], port: int) -> socket.socket:
+    """A connection to the driver at the first of ``hosts`` that answers."""
+    error: OSError | None = None
+    for host in dict.fromkeys(h for h in hosts if h):
+        try:
+            return socket.create_connection((host, port), timeout=_CONNECT_S)
+        except OSError as failed:
+            error = failed
+    raise error or OSError("no address to reach the driver at")
+
+
+def _forward_news(agent: NodeAgent, send, stopped_by_slurm: threading.Event) -> None:
     """Every event of the node's launch to the driver, then its outcome; then the agent may end."""
     while True:
         events, outcome = agent.next_events(0.2)
+        if outcome is not None and stopped_by_slurm.is_set() and outcome[0] != "failed":
+            outcome = ("stopped", "Slurm stopped the job step (SIGTERM): the job's time limit, a preemption or "
+                                  "a scancel (`sacct -j JOB` says which)")
         if events or outcome is not None:
             try:
                 send(("news", events, outcome))
             except OSError:
                 return  # the driver is gone: the main loop stops the ranks
+            except Exception as error:  # noqa: BLE001  a result too big or odd to send: say so instead
+                send(("news", [], ("stopped", f"the node's results could not be sent ({type(error).__name__}: "
+                                              f"{error})")))
+                return
         if outcome is not None:
             return
 

@@ -46,8 +46,10 @@ SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURM_JOB_CPUS_PER_NODE = "SLURM_JOB_CPUS_PER_NODE"  # "4(x2),2": counts per node, run-length coded
 SLURM_GPUS_ON_NODE = "SLURM_GPUS_ON_NODE"
+SLURM_GPUS_PER_NODE = "SLURM_GPUS_PER_NODE"  # "4" or "a100:4": what the job asked for each node
 SLURM_JOB_GPUS = "SLURM_JOB_GPUS"  # "0,1": the GPUs of the job on this node
 SLURM_PROCID = "SLURM_PROCID"  # a task's number in its step: the agent's node number
+SLURM_LAUNCH_NODE_IPADDR = "SLURM_LAUNCH_NODE_IPADDR"  # srun's host, as its tasks' nodes reach it
 SLURM_CONF = "SLURM_CONF"
 # The job's own, kept in the ranks: the rest (a task's SLURM_PROCID, SLURM_NTASKS, ...) describe
 # the agent's task, and would make Lightning or Accelerate believe srun started each rank.

@@ -411,3 +411,35 @@ def test_nblaunch_launch_runs_a_script_on_every_node_of_the_job(slurm, tmp_path)
     assert done.returncode == 0, shown
     for rank, node in ((0, "nbl1"), (1, "nbl1"), (2, "nbl2"), (3, "nbl2")):
         assert f"world {rank} 4 {node}" in shown, shown
+
+
+def test_a_timeout_or_a_cancel_while_the_job_waits_in_the_queue_ends_the_wait_and_gives_the_job_back(slurm, tmp_path):
+    blocker = slurm.run(["sbatch", "--parsable", "-N2", "--exclusive", "--job-name=blocker", "--output=/dev/null",
+                         "--wrap", "sleep 300"]).stdout.strip()
+    try:
+        result, shown = run_program(slurm, tmp_path, """
+import time
+from nblaunch import LaunchCancelledError, LaunchTimeoutError
+
+started = time.monotonic()
+try:
+    notebook_launcher(print, cluster="slurm", num_processes=1, timeout=4, display="none")
+    timed_out = "ran"
+except LaunchTimeoutError as error:
+    timed_out = round(time.monotonic() - started, 1)
+
+launch = notebook_launcher(print, cluster="slurm", num_processes=1, block=False, display="none")
+time.sleep(2)  # the job is in the queue by now
+asked = time.monotonic()
+launch.cancel()
+try:
+    launch.result(timeout=60)
+    cancelled = "ran"
+except LaunchCancelledError:
+    cancelled = round(time.monotonic() - asked, 1)
+result = {"timed_out_after": timed_out, "cancelled_after": cancelled}
+""")
+    finally:
+        slurm.run(["scancel", blocker])
+    assert isinstance(result["timed_out_after"], float) and result["timed_out_after"] < 15, (result, shown)
+    assert isinstance(result["cancelled_after"], float) and result["cancelled_after"] < 15, (result, shown)
