@@ -20,10 +20,11 @@ import cloudpickle
 
 from nblaunch.contract.version import __version__
 from nblaunch.events import Event, LaunchFinished, LaunchStarted
-from nblaunch.launch.errors import LaunchTimeoutError, RankFailedError
+from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.local_home import LocalHome
 from nblaunch.launch.planning import ports
+from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
 
 _MAX_BATCH = 2000  # events per answer: a chatty node's backlog goes in several round trips
 
@@ -54,6 +55,23 @@ class NodePlace:
     node_rank: int
     master_addr: str
     master_port: int
+
+
+def check_cluster_request(request: LaunchRequest, cluster: str, who_starts: str, hint: str = "") -> None:
+    """What every cluster home refuses alike: a node number or meeting point of the user's own
+    (the home places every node; node 0 hosts the rendezvous), a start method other than fork or
+    spawn, restarts. ``who_starts`` says who places the nodes ("Ray places"); ``hint`` ends the
+    first message."""
+    if request.node_rank != 0 or request.master_addr != DEFAULT_MASTER_ADDR:
+        raise LaunchConfigError(
+            f"with cluster='{cluster}', {who_starts} every node and node 0 hosts the rendezvous: leave node_rank, "
+            f"master_addr and rdzv_endpoint out{hint}")
+    if request.start_method not in (None, "fork", "spawn"):
+        raise LaunchConfigError(f"with cluster='{cluster}', start_method must be None, 'fork' or 'spawn'; got "
+                                f"{request.start_method!r}")
+    if request.max_restarts != 0:
+        raise LaunchConfigError(f"max_restarts is not supported with cluster='{cluster}' yet: pass max_restarts=0, or "
+                                "resume from a checkpoint with a new launch")
 
 
 class NodeAgent:

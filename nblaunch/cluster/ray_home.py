@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import cloudpickle
 
 from nblaunch.cluster import ray_placement
-from nblaunch.cluster.agent import NodeAgent, NodePlace
+from nblaunch.cluster.agent import NodeAgent, NodePlace, check_cluster_request
 from nblaunch.cluster.ray_keeper import kept_on_ray, start_on_ray
 from nblaunch.cluster.ray_links import RayLinks
 from nblaunch.cluster.ray_placement import NodeRequest
@@ -39,7 +39,7 @@ from nblaunch.launch.planning.plan import (
     plural,
     ranks_per_node,
 )
-from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
+from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.starting.packing import Payload
 
 _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
@@ -54,19 +54,11 @@ class RayHome:
     def __init__(self, request: LaunchRequest) -> None:
         """Check a Ray launch's request, then the cluster; nothing is placed yet."""
         r = request
-        if r.node_rank != 0 or r.master_addr != DEFAULT_MASTER_ADDR:
-            raise LaunchConfigError(
-                "with cluster='ray', Ray places every node and node 0 hosts the rendezvous: leave node_rank, "
-                "master_addr and rdzv_endpoint out (they are for running the same call on every machine yourself)")
-        if r.start_method not in (None, "fork", "spawn"):
-            raise LaunchConfigError(f"with cluster='ray', start_method must be None, 'fork' or 'spawn'; got "
-                                    f"{r.start_method!r}")
+        check_cluster_request(r, "ray", "Ray places",
+                              " (they are for running the same call on every machine yourself)")
         if r.resources:
             raise LaunchConfigError("resources= is for cluster='slurm': a Ray cluster's nodes are placed by "
                                     "num_nodes and num_processes (and the GPUs each node has)")
-        if r.max_restarts != 0:
-            raise LaunchConfigError("max_restarts is not supported with cluster='ray' yet: pass max_restarts=0, or "
-                                    "resume from a checkpoint with a new launch")
         # Nothing is asked of the cluster (not even a connection) for a launch that cannot run.
         pickling.check_picklable(r.function, r.args)
         self._ray, cluster = ray_placement.connect()

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import cloudpickle
 
+from nblaunch.cluster.agent import check_cluster_request
 from nblaunch.cluster.node_socket import Hub
 from nblaunch.cluster.slurm_allocation import find_allocation
 from nblaunch.cluster.slurm_kept import kept_on_slurm, submit
@@ -40,7 +41,7 @@ from nblaunch.launch.planning.plan import (
     plural,
     ranks_per_node,
 )
-from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
+from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.starting.packing import Payload
 
 
@@ -54,16 +55,7 @@ class SlurmHome:
     def __init__(self, request: LaunchRequest) -> None:
         """Check a Slurm launch's request against the allocation; nothing is started yet."""
         r = request
-        if r.node_rank != 0 or r.master_addr != DEFAULT_MASTER_ADDR:
-            raise LaunchConfigError(
-                "with cluster='slurm', Slurm starts every node and node 0 hosts the rendezvous: leave node_rank, "
-                "master_addr and rdzv_endpoint out")
-        if r.start_method not in (None, "fork", "spawn"):
-            raise LaunchConfigError(f"with cluster='slurm', start_method must be None, 'fork' or 'spawn'; got "
-                                    f"{r.start_method!r}")
-        if r.max_restarts != 0:
-            raise LaunchConfigError("max_restarts is not supported with cluster='slurm' yet: pass max_restarts=0, or "
-                                    "resume from a checkpoint with a new launch")
+        check_cluster_request(r, "slurm", "Slurm starts")
         pickling.check_picklable(r.function, r.args)
         self.allocation = allocation = find_allocation(r.num_nodes, r.resources)
         num_nodes = r.num_nodes or max(1, len(allocation.nodes))
