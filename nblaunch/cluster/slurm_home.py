@@ -43,6 +43,7 @@ from nblaunch.launch.planning.plan import (
 )
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.starting.spawn import PACKAGE_ROOT
 
 
 
@@ -155,5 +156,4 @@ def _driver_address(nodes: tuple[str, ...]) -> str:
 
 def _with_our_root(pythonpath: str) -> str:
     """PYTHONPATH with the folder this nblaunch is imported from first: the agents run the same."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.pathsep.join([root] + [p for p in pythonpath.split(os.pathsep) if p and p != root])
+    return os.pathsep.join([PACKAGE_ROOT] + [p for p in pythonpath.split(os.pathsep) if p and p != PACKAGE_ROOT])
