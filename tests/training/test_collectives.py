@@ -59,6 +59,12 @@ def _collectives(tmp):
         acc.set_trigger()
     out["trigger"] = acc.check_trigger()
     acc.log({"loss": torch.tensor(0.5 + r), "acc": 1}, step=3)
+    # Each RNG starts different on each rank, then every rank draws rank 0's numbers.
+    from nblaunch.utils import synchronize_rng_states
+    torch.manual_seed(100 + r)
+    generator = torch.Generator().manual_seed(200 + r)
+    synchronize_rng_states(["torch", "generator", "cuda"], generator)
+    out["rng"] = (torch.rand(2).tolist(), torch.rand(2, generator=generator).tolist())
     return out
 
 
@@ -80,6 +86,8 @@ def test_collectives_in_two_processes(recorder, tmp_path):
         assert r["sum"] == [3.0] and r["mean"] == [1.5]
         assert r["broadcast"] == [0]
         assert r["trigger"] is True
+        assert r["rng"] == (torch.rand(2, generator=torch.Generator().manual_seed(100)).tolist(),
+                            torch.rand(2, generator=torch.Generator().manual_seed(200)).tolist())
     assert r0["pad"] == [1, 1, 0] and r1["pad"] == [1, 1, 1]
     assert r0["pad_first"] == [[0, 1, 1]] and r1["pad_first"] == [[1, 1, 1]]
     assert r0["split"] == ["a", "b", "c"] and r1["split"] == ["d", "e"]
