@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import logging
 import os
 import signal
 import sys
@@ -53,14 +54,16 @@ def run_forked(
     stderr_fd: int,
     event_fd: int,
     control_fd: int,
+    std_handlers: list[tuple[logging.Handler, str]] | None = None,
 ) -> NoReturn:
-    """Entry point in a freshly forked child. Never returns into the launcher's code."""
+    """Entry point in a freshly forked child. Never returns into the launcher's code.
+    ``std_handlers``: the launcher's :func:`~nblaunch.worker.streams.std_stream_handlers`."""
     try:
         with RankGuard(event_fd, stderr_fd) as guard:
             guard.phase = Phase.JOINING
             settle_forked_child(settings.parent_pid)
             guard.phase = Phase.ATTACHING
-            attach_streams(stdout_fd, stderr_fd)
+            attach_streams(stdout_fd, stderr_fd, std_handlers)
             guard.stderr_fd = 2
             code = _run_rank(guard, settings, function, args, event_fd, ControlSocket(control_fd))
         os._exit(code)

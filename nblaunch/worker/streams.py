@@ -52,9 +52,12 @@ def line_stream(fd: int) -> TextIO:
     return stream
 
 
-def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
+def attach_streams(stdout_fd: int, stderr_fd: int,
+                   handlers: list[tuple[logging.Handler, str]] | None = None) -> None:
     """Point fds 1/2, ``sys.stdout``/``sys.stderr`` and the logging handlers that wrote to the
-    old streams at the launcher's pipes ``stdout_fd``/``stderr_fd``; stdin reads nothing."""
+    old streams at the launcher's pipes ``stdout_fd``/``stderr_fd``; stdin reads nothing.
+    ``handlers``: those :func:`std_stream_handlers` found in the launcher before the fork (None:
+    look at every logger here)."""
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
         if fd != target:
             os.dup2(fd, target)
@@ -71,7 +74,7 @@ def attach_streams(stdout_fd: int, stderr_fd: int) -> None:
     sys.stdin = open(os.devnull)
     sys.stdout = sys.__stdout__ = new_out
     sys.stderr = sys.__stderr__ = new_err
-    for problem in _repoint_logging_handlers(replacement):
+    for problem in _repoint_logging_handlers(replacement, std_stream_handlers() if handlers is None else handlers):
         new_err.write(f"nblaunch: {problem}\n")
 
 
@@ -137,9 +140,13 @@ def _keep_flushing(stream: TextIO, raw: _CountingFile) -> None:
     _thread.start_new_thread(flush_forever, ())  # bare: see bootstrap.serve
 
 
-def _repoint_logging_handlers(replacement: dict[int, TextIO]) -> list[str]:
-    """Give every stream handler that wrote to an old stream the new one; say which could not."""
-    problems = []
+def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
+    """Every logging stream handler that writes to ``sys.stdout`` or ``sys.stderr`` (or their
+    originals), with its logger's name. The launcher asks before it forks: there, reading every
+    logger (a kernel with torch has over a hundred) costs nothing, while a forked rank that read
+    them all would copy each page they sit on, 2 ms of every rank's start."""
+    streams = {id(sys.stdout), id(sys.__stdout__), id(sys.stderr), id(sys.__stderr__)}
+    found = []
     loggers = [logging.getLogger()] + [
         lg for lg in list(logging.Logger.manager.loggerDict.values()) if isinstance(lg, logging.Logger)
     ]
@@ -148,25 +155,37 @@ def _repoint_logging_handlers(replacement: dict[int, TextIO]) -> list[str]:
             if not isinstance(handler, logging.StreamHandler):
                 continue
             try:
-                stream = handler.stream
+                if id(handler.stream) in streams:
+                    found.append((handler, logger.name))
             except Exception:
                 continue  # a stream that cannot even be read is not one of ours
-            new = replacement.get(id(stream))
-            if new is None:
-                continue
-            try:
-                handler.setStream(new)
-            except Exception:
-                pass  # e.g. logging._StderrHandler (dill installs one): its stream follows sys.stderr
-            try:
-                repointed = handler.stream is new
-            except Exception:
-                repointed = False
-            if not repointed:
-                problems.append(
-                    f"the logging handler {type(handler).__name__} of logger {logger.name!r} could not be "
-                    "pointed at this rank's output; what it logs here is lost"
-                )
+    return found
+
+
+def _repoint_logging_handlers(replacement: dict[int, TextIO], handlers: list[tuple[logging.Handler, str]]) -> list[str]:
+    """Give each of ``handlers`` that wrote to an old stream the new one; say which could not."""
+    problems = []
+    for handler, logger_name in handlers:
+        try:
+            stream = handler.stream
+        except Exception:
+            continue
+        new = replacement.get(id(stream))
+        if new is None:
+            continue  # dill's _StderrHandler: its stream follows sys.stderr, already the new one
+        try:
+            handler.setStream(new)
+        except Exception:
+            pass
+        try:
+            repointed = handler.stream is new
+        except Exception:
+            repointed = False
+        if not repointed:
+            problems.append(
+                f"the logging handler {type(handler).__name__} of logger {logger_name!r} could not be "
+                "pointed at this rank's output; what it logs here is lost"
+            )
     return problems
 
 

@@ -233,3 +233,36 @@ def test_garbage_the_kernel_left_uncollected_is_never_finalised_in_a_rank(tmp_pa
         gc.enable()
     gc.collect()
     assert record.read_text().split() == [str(os.getpid())], f"finalised in ranks {pids}"
+
+
+def waits_for_its_end():
+    import time
+
+    time.sleep(600)  # stopped by the launcher long before
+
+
+def test_a_fork_that_fails_midway_stops_the_ranks_already_forked(monkeypatch):
+    import errno
+
+    import psutil
+
+    real_fork = os.fork
+    forks = []
+
+    def third_fork_fails():  # the system's process limit, reached at the third rank
+        forks.append(1)
+        if len(forks) == 3:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real_fork()
+
+    me = psutil.Process()
+    children_before = {p.pid for p in me.children(recursive=True)}
+    fds_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "fork", third_fork_fails)
+    with pytest.raises(BlockingIOError):
+        notebook_launcher(waits_for_its_end, num_processes=4, display="none")
+    monkeypatch.undo()
+    assert len(forks) == 3
+    left = [p for p in me.children(recursive=True) if p.pid not in children_before and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == []
+    assert len(os.listdir("/proc/self/fd")) <= fds_before  # every rank's pipes closed, made or not

@@ -41,18 +41,25 @@ class Starter(ABC):
         """Free what ``start`` held for the ranks (a spawn's shared memory); after every attempt."""
 
 
-def start_each_rank(plan: LaunchPlan, environ: dict[str, str],
-                    start_one: Callable[[WorkerSettings], WorkerProcess]) -> list[WorkerProcess]:
-    """``start_one`` for every local rank of ``plan``, in order; none is left if one fails."""
-    workers: list[WorkerProcess] = []
-    for local_rank in range(plan.num_processes):
-        settings = WorkerSettings(
+def rank_settings(plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerSettings]:
+    """What each local rank of ``plan`` is told, in order; ``environ`` is added to its variables."""
+    return [
+        WorkerSettings(
             rank=local_rank,
             environ=dict(environ, **plan.rank_environ(local_rank)),
             threads=plan.threads,
             parent_pid=os.getpid(),
             sys_path=list(sys.path),
         )
+        for local_rank in range(plan.num_processes)
+    ]
+
+
+def start_each_rank(plan: LaunchPlan, environ: dict[str, str],
+                    start_one: Callable[[WorkerSettings], WorkerProcess]) -> list[WorkerProcess]:
+    """``start_one`` for every local rank of ``plan``, in order; none is left if one fails."""
+    workers: list[WorkerProcess] = []
+    for settings in rank_settings(plan, environ):
         try:
             workers.append(start_one(settings))
         except BaseException:

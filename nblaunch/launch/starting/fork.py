@@ -4,13 +4,15 @@ where it is safe). The child shares the parent's memory, so data sets are not co
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.base import Starter, start_each_rank
-from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_process
+from nblaunch.launch.starting import fdtable
+from nblaunch.launch.starting.base import Starter, rank_settings
+from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_processes
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
+from nblaunch.worker.streams import std_stream_handlers
 
 # Building the first optimizer (or DDP) imports torch._dynamo: ~1 s of CPU in every process that
 # does it, 2-3 s when two ranks do it at once on 2 cores, at every launch. Imported here once,
@@ -40,21 +42,32 @@ class ForkStarter(Starter):
                 stream.flush()
             except Exception:  # noqa: BLE001  a stream that cannot flush has nothing to copy
                 pass
-        return start_each_rank(plan, environ, lambda settings: fork_rank(settings, request.function, request.args))
+        return fork_ranks(rank_settings(plan, environ), request.function, request.args)
 
 
-def fork_rank(settings: WorkerSettings, function: Callable, args: tuple) -> WorkerProcess:
-    """Fork one rank that runs ``function(*args)``."""
-    pipes = Pipes.open()
-    return fork_process(
-        {settings.rank: pipes},
-        lambda: run_forked(
-            settings,
-            function,
-            args,
-            stdout_fd=pipes.stdout[1],
-            stderr_fd=pipes.stderr[1],
-            event_fd=pipes.events[1],
-            control_fd=pipes.control[0],
-        ),
+def fork_ranks(each: list[WorkerSettings], function: Callable, args: tuple) -> list[WorkerProcess]:
+    """Fork one process per rank of ``each``, every one running ``function(*args)``."""
+    hosts = []
+    handlers = std_stream_handlers()  # here, not in each rank: see the function
+    try:
+        for settings in each:
+            pipes = Pipes.open()
+            hosts.append(({settings.rank: pipes}, _forked_rank(settings, pipes, function, args, handlers)))
+    except BaseException:  # out of descriptors: give back the pipes already made
+        fdtable.close([fd for ranks, _ in hosts for p in ranks.values() for fd in p.launcher_ends + p.worker_ends])
+        raise
+    return fork_processes(hosts)
+
+
+def _forked_rank(settings: WorkerSettings, pipes: Pipes, function: Callable, args: tuple,
+                 handlers: list) -> Callable[[], NoReturn]:
+    return lambda: run_forked(
+        settings,
+        function,
+        args,
+        stdout_fd=pipes.stdout[1],
+        stderr_fd=pipes.stderr[1],
+        event_fd=pipes.events[1],
+        control_fd=pipes.control[0],
+        std_handlers=handlers,
     )
