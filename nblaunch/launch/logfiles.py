@@ -17,6 +17,8 @@ _PRUNE_AT = 40  # ...and older ones removed in batches, not one at every launch
 _YOUNG_S = 600  # a folder made this recently may belong to a launch not yet recorded
 _STAMP = "%Y%m%d-%H%M%S"
 _SHARED_KEEP_S = 7 * 24 * 3600  # a shared folder's logs: a week after their last line
+_PRUNE_EVERY_S = 60.0  # a loop of launches would list the folder at each one (1 ms at 700 folders)
+_last_pruned: dict[str, float] = {}
 
 
 def new_log_dir(shared_root: str | None = None) -> str:
@@ -37,6 +39,15 @@ def new_log_dir(shared_root: str | None = None) -> str:
         return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=shared_root)
     root = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
     os.makedirs(root, mode=0o700, exist_ok=True)
+    if time.monotonic() - _last_pruned.get(root, -_PRUNE_EVERY_S) >= _PRUNE_EVERY_S:
+        _last_pruned[root] = time.monotonic()
+        _prune(root)
+    return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=root)
+
+
+def _prune(root: str) -> None:
+    """Remove the oldest folders of ``root`` once there are ``_PRUNE_AT``, but for the latest
+    ``_KEEP_LAUNCHES``, young ones and those of running launches (in any kernel)."""
     old = sorted(os.listdir(root))
     if len(old) >= _PRUNE_AT:
         # Names start with their creation time: no stat per folder on a launch's path.
@@ -47,7 +58,6 @@ def new_log_dir(shared_root: str | None = None) -> str:
             path = os.path.join(root, name)
             if path not in live:
                 shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=root)
 
 
 class LogFiles:

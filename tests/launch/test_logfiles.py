@@ -29,6 +29,7 @@ def test_pruning_never_removes_a_running_launchs_logs(tmp_path, monkeypatch):
             time.sleep(0.01)
         root = os.path.dirname(launch.log_dir)
         monkeypatch.setattr(logfiles, "_YOUNG_S", -3600)  # every folder counts as old: only records protect
+        monkeypatch.setattr(logfiles, "_PRUNE_EVERY_S", 0.0)  # a kernel prunes at most once a minute
         for _ in range(60):  # launches of other kernels, finished
             logfiles.new_log_dir()
         assert os.path.isdir(launch.log_dir)
