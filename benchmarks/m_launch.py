@@ -115,7 +115,7 @@ def _first_steps(impl: str) -> dict:
 # ----------------------------------------------------------------------------- the measurement
 def run(quick: bool = False, size: str | None = None) -> dict:
     impls = _impls()
-    warm_rounds = 3 if quick else 10
+    warm_rounds = 3 if quick else 20
     fresh_rounds = 1 if quick else 4
     rows, notes = [], []
 

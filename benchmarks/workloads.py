@@ -224,14 +224,17 @@ def train_phases(impl: str, x, y, batch: int, precision: str, warmup: int, steps
 
 
 def loader_rate(impl: str, n: int, batch: int, epochs: int, out_dir: str | None = None) -> dict:
-    """Batches/s of the prepared loader over a trivial data set (no model)."""
+    """Batches/s of the prepared loader over a trivial data set (no model): this rank's own rate,
+    and its batches with the (monotonic, machine-wide) clock at a common start line and at its end,
+    from which the caller computes the job's rate (every rank's batches over the time until the
+    last rank is done)."""
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     torch.set_num_threads(1)
     dataset = TensorDataset(torch.arange(n, dtype=torch.float32))
-    if impl == "raw":
+    if impl in ("raw", "raw_synced"):  # raw_synced: raw with a barrier where a prepared loader syncs
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)
@@ -244,17 +247,20 @@ def loader_rate(impl: str, n: int, batch: int, epochs: int, out_dir: str | None 
     torch.set_num_threads(1)
     batches = 0
     for epoch in range(epochs + 1):  # epoch 0 warms up
+        if epoch == 1:
+            dist.barrier()  # the common start line (not timed)
+            t0 = time.monotonic()
+        if impl == "raw_synced":
+            dist.barrier()
         if sampler is not None:
             sampler.set_epoch(epoch)
         elif hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        if epoch == 1:
-            t0 = time.perf_counter()
         for _ in loader:
             if epoch >= 1:
                 batches += 1
-    rate = batches / (time.perf_counter() - t0)
-    result = {"batches_per_s": rate, "batches": batches}
+    t_end = time.monotonic()
+    result = {"batches_per_s": batches / (t_end - t0), "batches": batches, "start": t0, "end": t_end}
     if out_dir is not None:
         write_result(out_dir, int(os.environ["RANK"]), result)
     return result
