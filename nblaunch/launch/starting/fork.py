@@ -34,14 +34,6 @@ class ForkStarter(Starter):
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         request = plan.request
-        # A fork copies what the kernel's streams still buffer (ipykernel sends stdout and stderr
-        # on a timer, and takes a forked child's flush as output of its own): each rank would
-        # show the kernel's last unsent line in the cell once more.
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001  a stream that cannot flush has nothing to copy
-                pass
         return fork_ranks(rank_settings(plan, environ), request.function, request.args)
 
 

@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import signal
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -263,6 +264,14 @@ def fork_processes(hosts: list[tuple[dict[int, Pipes], Callable[[], NoReturn]]])
     def undo(made: tuple[list[int], BaseException | None]) -> None:  # interrupted meanwhile: nobody owns these
         _stop(handles(made))
 
+    # A fork copies what the kernel's streams still buffer (ipykernel sends stdout and stderr on a
+    # timer, and takes a forked child's flush as output of its own): each process would show the
+    # kernel's last unsent line in the cell once more.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001  a stream that cannot flush has nothing to copy
+            pass
     made = run_on_forking_thread(fork_all, undo)
     workers = handles(made)
     if made[1] is not None:
