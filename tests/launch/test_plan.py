@@ -47,11 +47,13 @@ def test_gpus_are_counted_without_initialising_cuda():
     assert not torch.cuda.is_initialized()
 
 
-def test_cuda_visible_devices_limits_the_count(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,-1,2")
-    assert devices._visible_limit(8) == 2
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert devices._visible_limit(8) == 0
+def test_cuda_visible_devices_is_read_as_the_cuda_runtime_reads_it(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.visible_gpus(3) == [0, 1, 2]
+    for value, seen in (("0,1,-1,2", [0, 1]), ("", []), ("3,1", [3, 1]), ("1,9,2", [1]),
+                        ("GPU-5e1d,2", [None, 2]), (" 2 , 0", [2, 0]), ("0,1,2,3,4,5,6,7,0", [0, 1, 2, 3, 4, 5, 6, 7])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        assert devices.visible_gpus(8) == seen, value  # up to the first invalid entry; UUIDs not resolved
 
 
 def test_multi_node_ranks_are_offset_by_the_node():

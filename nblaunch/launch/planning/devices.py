@@ -14,24 +14,52 @@ from functools import lru_cache
 from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
 
 
-@lru_cache(maxsize=1)
-def _nvml_capabilities() -> tuple[tuple[int, int], ...]:
-    """Each GPU's CUDA compute capability, through NVML (empty where there is none)."""
+def open_nvml() -> tuple[ctypes.CDLL, list[ctypes.c_void_p]] | None:
+    """NVML, initialised, with a handle for each GPU in NVML's order; None where there is no
+    NVIDIA driver or NVML lists no GPU. The caller ends the session: ``nvml.nvmlShutdown()``.
+
+    Example::
+
+        opened = open_nvml()
+        if opened is not None:
+            nvml, handles = opened
+            ...
+            nvml.nvmlShutdown()
+    """
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        return ()
-    if nvml.nvmlInit_v2() != 0:
-        return ()
-    try:
-        count = ctypes.c_uint(0)
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return ()
-        found = []
+        return None  # no NVIDIA driver on this machine
+    if nvml.nvmlInit_v2() != _NVML_SUCCESS:
+        return None
+    count, handles = ctypes.c_uint(0), []
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == _NVML_SUCCESS:
         for index in range(count.value):
-            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(0), ctypes.c_int(0)
-            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
-                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != _NVML_SUCCESS:
+                break
+            handles.append(handle)
+    if not handles:
+        nvml.nvmlShutdown()
+        return None
+    return nvml, handles
+
+
+_NVML_SUCCESS = 0
+
+
+@lru_cache(maxsize=1)
+def _nvml_capabilities() -> tuple[tuple[int, int], ...]:
+    """Each GPU's CUDA compute capability, through NVML (empty where there is none)."""
+    opened = open_nvml()
+    if opened is None:
+        return ()
+    nvml, handles = opened
+    try:
+        found = []
+        for handle in handles:
+            major, minor = ctypes.c_int(0), ctypes.c_int(0)
+            if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != _NVML_SUCCESS:
                 return ()
             found.append((major.value, minor.value))
         return tuple(found)
@@ -48,38 +76,37 @@ def cuda_capability() -> tuple[int, int] | None:
 
 @lru_cache(maxsize=1)
 def _nvml_device_count() -> int:
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return 0  # no NVIDIA driver on this machine
-    count = ctypes.c_uint(0)
-    if nvml.nvmlInit_v2() != 0:
+    opened = open_nvml()
+    if opened is None:
         return 0
-    try:
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return 0
-        return count.value
-    finally:
-        nvml.nvmlShutdown()
+    nvml, handles = opened
+    nvml.nvmlShutdown()
+    return len(handles)
 
 
-def _visible_limit(physical: int) -> int:
-    """Apply CUDA_VISIBLE_DEVICES as the CUDA runtime does: entries up to the first invalid one."""
+def visible_gpus(physical: int) -> list[int | None]:
+    """The GPUs CUDA shows this process, in CUDA's order, as NVML's indices among ``physical``
+    GPUs; None for one that ``CUDA_VISIBLE_DEVICES`` names by UUID (not resolved here). As the
+    CUDA runtime does, the variable is read up to its first invalid entry (empty, negative, out
+    of range), so ``"0,1,-1,2"`` shows two GPUs and ``""`` none."""
     visible = os.environ.get(CUDA_VISIBLE_DEVICES)
     if visible is None:
-        return physical
-    count = 0
+        return list(range(physical))
+    found: list[int | None] = []
     for entry in visible.split(","):
         entry = entry.strip()
-        if not entry or entry.startswith("-"):
+        if entry.isdigit() and int(entry) < physical:
+            found.append(int(entry))
+        elif entry.startswith(("GPU-", "MIG-")):
+            found.append(None)
+        else:
             break
-        count += 1
-    return min(count, physical)
+    return found[:physical]
 
 
 def cuda_device_count() -> int:
     """Number of CUDA devices this process may use, without initialising CUDA."""
-    return _visible_limit(_nvml_device_count())
+    return len(visible_gpus(_nvml_device_count()))
 
 
 def cuda_initialized() -> bool:

@@ -16,10 +16,9 @@ Example (what the supervisor does every ``SAMPLE_EVERY_S`` while ranks run)::
 from __future__ import annotations
 
 import ctypes
-import os
 
-from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
 from nblaunch.events import GpuUsage
+from nblaunch.launch.planning.devices import open_nvml, visible_gpus
 
 SAMPLE_EVERY_S = 2.0
 _SUCCESS, _INSUFFICIENT_SIZE = 0, 7
@@ -44,28 +43,13 @@ class GpuSampler:
     def __init__(self, nvml: ctypes.CDLL, handles: list[ctypes.c_void_p]) -> None:
         self._nvml = nvml
         self._handles = handles
-        self._visible = _visible_indices(len(handles))
+        self._visible = visible_gpus(len(handles))
 
     @classmethod
     def open(cls) -> GpuSampler | None:
         """A sampler, or None where NVML is missing or lists no GPU."""
-        try:
-            nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        except OSError:
-            return None
-        if nvml.nvmlInit_v2() != _SUCCESS:
-            return None
-        count, handles = ctypes.c_uint(0), []
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == _SUCCESS:
-            for index in range(count.value):
-                handle = ctypes.c_void_p()
-                if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != _SUCCESS:
-                    break
-                handles.append(handle)
-        if not handles:
-            nvml.nvmlShutdown()
-            return None
-        return cls(nvml, handles)
+        opened = open_nvml()
+        return None if opened is None else cls(*opened)
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()
@@ -107,18 +91,3 @@ class GpuSampler:
         if get(handle, ctypes.byref(count), table) != _SUCCESS:
             return {}
         return {table[i].pid: table[i].usedGpuMemory for i in range(count.value)}
-
-
-def _visible_indices(physical: int) -> list[int]:
-    """NVML's indices of the GPUs the ranks see, in CUDA's order (CUDA_VISIBLE_DEVICES as
-    numbers; a list of UUIDs is not followed: then no GPU is guessed by position)."""
-    visible = os.environ.get(CUDA_VISIBLE_DEVICES)
-    if visible is None:
-        return list(range(physical))
-    indices = []
-    for entry in visible.split(","):
-        entry = entry.strip()
-        if not entry.isdigit() or int(entry) >= physical:
-            break
-        indices.append(int(entry))
-    return indices
