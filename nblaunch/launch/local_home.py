@@ -33,10 +33,10 @@ from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.rendezvous import Rendezvous
-from nblaunch.launch.starting.base import Starter, kill_and_reap
+from nblaunch.launch.starting.base import Starter
 from nblaunch.launch.starting.fork import ForkStarter
 from nblaunch.launch.starting.packing import Payload, package
-from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.starting.processes import WorkerProcess, kill_and_reap
 from nblaunch.launch.starting.server_starter import ServerStarter
 from nblaunch.launch.starting.spawn import SpawnStarter
 from nblaunch.launch.supervising.gpu_usage import GpuSampler

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.starting.processes import WorkerProcess, kill_and_reap
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
@@ -66,11 +66,3 @@ def start_each_rank(plan: LaunchPlan, environ: dict[str, str],
             kill_and_reap(workers)
             raise
     return workers
-
-
-def kill_and_reap(workers: list[WorkerProcess]) -> None:
-    """SIGKILL every process (and what it started), reap it, close the launcher's ends."""
-    for worker in workers:
-        worker.kill()
-        worker.wait()
-        worker.close()

@@ -13,7 +13,7 @@ when the thread that forked it ends.
 
 Example::
 
-    pid = run_on_forking_thread(fork_one_rank, undo=kill_and_reap)
+    pids = run_on_forking_thread(fork_every_rank, undo=kill_those_forked)
 """
 
 from __future__ import annotations

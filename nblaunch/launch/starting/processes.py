@@ -262,7 +262,7 @@ def fork_processes(hosts: list[tuple[dict[int, Pipes], Callable[[], NoReturn]]])
         return workers
 
     def undo(made: tuple[list[int], BaseException | None]) -> None:  # interrupted meanwhile: nobody owns these
-        _stop(handles(made))
+        kill_and_reap(handles(made))
 
     # A fork copies what the kernel's streams still buffer (ipykernel sends stdout and stderr on a
     # timer, and takes a forked child's flush as output of its own): each process would show the
@@ -275,12 +275,13 @@ def fork_processes(hosts: list[tuple[dict[int, Pipes], Callable[[], NoReturn]]])
     made = run_on_forking_thread(fork_all, undo)
     workers = handles(made)
     if made[1] is not None:
-        _stop(workers)
+        kill_and_reap(workers)
         raise made[1]
     return workers
 
 
-def _stop(workers: list[WorkerProcess]) -> None:
+def kill_and_reap(workers: list[WorkerProcess]) -> None:
+    """SIGKILL every process (and what it started), reap it, close the launcher's ends."""
     for worker in workers:
         worker.kill()
         worker.wait()
