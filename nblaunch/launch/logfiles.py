@@ -17,32 +17,36 @@ _PRUNE_AT = 40  # ...and older ones removed in batches, not one at every launch
 _YOUNG_S = 600  # a folder made this recently may belong to a launch not yet recorded
 _STAMP = "%Y%m%d-%H%M%S"
 _SHARED_KEEP_S = 7 * 24 * 3600  # a shared folder's logs: a week after their last line
-_PRUNE_EVERY_S = 60.0  # a loop of launches would list the folder at each one (1 ms at 700 folders)
+_PRUNE_EVERY_S = 60.0  # a loop of launches would list the folder at each one (1 ms at 700 folders;
+# a shared one on a network file system, a stat per folder)
 _last_pruned: dict[str, float] = {}
 
 
 def new_log_dir(shared_root: str | None = None) -> str:
-    """A new folder for one launch's logs; old folders of finished launches are pruned.
+    """A new folder for one launch's logs; old folders of finished launches are pruned, at most
+    once every ``_PRUNE_EVERY_S`` per folder of logs.
 
     ``shared_root``: a folder other machines' launches write to as well (a cluster's shared home
     directory), whose running launches this machine cannot see: only folders untouched for
     ``_SHARED_KEEP_S`` are pruned there."""
-    if shared_root is not None:
-        os.makedirs(shared_root, mode=0o700, exist_ok=True)
-        for name in sorted(os.listdir(shared_root))[:-_KEEP_LAUNCHES]:
-            path = os.path.join(shared_root, name)
-            try:
-                if time.time() - os.path.getmtime(path) > _SHARED_KEEP_S:
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                continue  # removed meanwhile by another machine's launch
-        return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=shared_root)
-    root = os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
+    root = shared_root or os.path.join(tempfile.gettempdir(), f"nblaunch-{os.getuid()}", "logs")
     os.makedirs(root, mode=0o700, exist_ok=True)
     if time.monotonic() - _last_pruned.get(root, -_PRUNE_EVERY_S) >= _PRUNE_EVERY_S:
         _last_pruned[root] = time.monotonic()
-        _prune(root)
+        (_prune_untouched if shared_root else _prune)(root)
     return tempfile.mkdtemp(prefix=time.strftime(_STAMP) + "-", dir=root)
+
+
+def _prune_untouched(root: str) -> None:
+    """Remove the folders of a shared ``root`` untouched for ``_SHARED_KEEP_S``, but for the
+    latest ``_KEEP_LAUNCHES``."""
+    for name in sorted(os.listdir(root))[:-_KEEP_LAUNCHES]:
+        path = os.path.join(root, name)
+        try:
+            if time.time() - os.path.getmtime(path) > _SHARED_KEEP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue  # removed meanwhile by another machine's launch
 
 
 def _prune(root: str) -> None:
