@@ -13,6 +13,8 @@ from functools import lru_cache
 
 from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
 
+_NVML_SUCCESS = 0
+
 
 def open_nvml() -> tuple[ctypes.CDLL, list[ctypes.c_void_p]] | None:
     """NVML, initialised, with a handle for each GPU in NVML's order; None where there is no
@@ -44,8 +46,6 @@ def open_nvml() -> tuple[ctypes.CDLL, list[ctypes.c_void_p]] | None:
         return None
     return nvml, handles
 
-
-_NVML_SUCCESS = 0
 
 
 @lru_cache(maxsize=1)

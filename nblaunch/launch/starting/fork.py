@@ -7,7 +7,6 @@ import sys
 from typing import Callable, NoReturn
 
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.base import Starter, rank_settings
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_processes
 from nblaunch.preimport import import_for_ranks
@@ -46,7 +45,9 @@ def fork_ranks(each: list[WorkerSettings], function: Callable, args: tuple) -> l
             pipes = Pipes.open()
             hosts.append(({settings.rank: pipes}, _forked_rank(settings, pipes, function, args, handlers)))
     except BaseException:  # out of descriptors: give back the pipes already made
-        fdtable.close([fd for ranks, _ in hosts for p in ranks.values() for fd in p.launcher_ends + p.worker_ends])
+        for ranks, _ in hosts:
+            for pipes in ranks.values():
+                pipes.close()
         raise
     return fork_processes(hosts)
 

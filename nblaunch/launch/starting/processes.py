@@ -181,6 +181,10 @@ class Pipes:
     def worker_ends(self) -> list[int]:
         return [self.stdout[1], self.stderr[1], self.events[1], self.control[0]]
 
+    def close(self) -> None:
+        """Close both ends (pipes no process was forked for)."""
+        fdtable.close(self.launcher_ends + self.worker_ends)
+
 
 def handle_for(pid: int, ranks: dict[int, Pipes], reaper: Reaper | None) -> WorkerProcess:
     links = {rank: f"socket:[{os.fstat(p.control[0]).st_ino}]" for rank, p in ranks.items()}
@@ -258,7 +262,8 @@ def fork_processes(hosts: list[tuple[dict[int, Pipes], Callable[[], NoReturn]]])
         workers = [handle_for(pid, ranks, reaper=None) for pid, (ranks, _) in zip(pids, hosts)]
         if error is not None:
             for ranks, _ in hosts[len(pids):]:
-                fdtable.close([fd for pipes in ranks.values() for fd in pipes.launcher_ends + pipes.worker_ends])
+                for pipes in ranks.values():
+                    pipes.close()
         return workers
 
     def undo(made: tuple[list[int], BaseException | None]) -> None:  # interrupted meanwhile: nobody owns these
