@@ -22,6 +22,8 @@ STACKS = b"S"  # utf-8 text: every thread's stack
 CLEANED = b"C"  # empty body: the process stopped everything it had started, and is leaving
 CALL_RESULT = b"A"  # warm ranks: pickled (call_id, return value of the call)
 DEVICE = b"G"  # pickled (device, mixed precision) of the rank's Accelerator, when it is made
+IMPORTED = b"O"  # pickled list: the installed modules the rank imported (nblaunch.facts.installed), at its end
+STANDBY = b"B"  # a rank on standby (nblaunch.server.standby_rank): pickled ("ready", facts) or ("left", why)
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)
@@ -30,13 +32,19 @@ CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
 CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
+CLAIM = b"K"  # empty body: a launch takes a rank on standby; the rank answers with the same frame
 
-# Kernel <-> its launch server (nblaunch.worker.fork_server), on a socket of their own
-SERVER_START = b"N"  # kernel: pickled (request id, environ, cwd); a rank's four pipe ends ride on it
-SERVER_READY = b"Y"  # server: empty body: torch is imported, ranks can be asked for
+# Kernel <-> each process of its launch server (nblaunch.server), on a socket of its own
+SERVER_START = b"N"  # kernel: pickled (request id, environ, cwd, standby device or None); a rank's four
+#                      pipe ends ride on it
+SERVER_READY = b"Y"  # server: empty body: its imports are done (base: torch; a generation: its list)
 SERVER_STARTED = b"I"  # server: pickled (request id, pid)
 SERVER_FAILED = b"V"  # server: pickled (request id, what went wrong): no rank was started
 SERVER_EXITED = b"X"  # server: pickled (pid, exit code), once the rank is reaped
+SERVER_GENERATION = b"T"  # kernel -> base: pickled (generation id, environ, module names): fork a generation
+SERVER_GENERATION_STARTED = b"U"  # base: pickled (generation id, pid); the kernel's end of its socket rides on it
+SERVER_LOADING = b"Z"  # generation: pickled top-level package it imports now
+SERVER_LOADED = b"J"  # generation: pickled (package, verdict, seconds) once imported (server.loading)
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
 # (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.starting.packing.

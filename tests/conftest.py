@@ -49,6 +49,16 @@ def leftover_ranks(since: float) -> list[psutil.Process]:
 
 
 @pytest.fixture(autouse=True)
+def warm_start_settled():
+    """What a launch started for the next one (imports here, the launch server's generations and
+    ranks on standby) is done before the next test: no test runs beside another's warm-up."""
+    yield
+    from nblaunch.launch.warm_start.report import warm_start
+
+    warm_start(wait=120)
+
+
+@pytest.fixture(autouse=True)
 def no_rank_left_behind():
     since = time.time()
     yield

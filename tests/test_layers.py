@@ -17,8 +17,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
     ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
-     "nblaunch.preimport", "nblaunch.after_import"],
+     "nblaunch.preimport", "nblaunch.after_import", "nblaunch.facts"],
     ["nblaunch.worker", "nblaunch.display"],
+    ["nblaunch.server"],  # the launch server's processes: they host ranks, so they stand on worker/
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],
     ["nblaunch.training.options"],

@@ -40,6 +40,10 @@ DISTRIBUTED_TYPE = "NBLAUNCH_DISTRIBUTED_TYPE"  # "XLA": asks a process outside 
 LAUNCH_ID = "NBLAUNCH_LAUNCH_ID"  # every process of a launch carries it: found and stopped by it
 STATE_DIR = "NBLAUNCH_STATE_DIR"  # where detached launches are kept (the user's choice)
 AGENT_TOKEN = "NBLAUNCH_AGENT_TOKEN"  # what a node's agent shows the driver it connects to (never on a command line)
+# The user's settings of a warm start (docs/warm-start.md): "0" turns loading ahead off; standby
+# ranks are "auto" (GPU launches from the launch server), "0" (never) or "always" (CPU ones too).
+PRELOAD = "NBLAUNCH_PRELOAD"
+STANDBY = "NBLAUNCH_STANDBY"
 
 # Slurm's (cluster="slurm"): the allocation a kernel sits in, as Slurm tells its processes.
 SLURM_JOB_ID = "SLURM_JOB_ID"
@@ -97,3 +101,6 @@ PJRT_DEVICE = "PJRT_DEVICE"  # torch_xla's device kind: "TPU", or "CPU" for XLA 
 CPU_NUM_DEVICES = "CPU_NUM_DEVICES"  # XLA devices on the CPU
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 MKL_NUM_THREADS = "MKL_NUM_THREADS"
+# "0": torch starts no pool of compile workers at import (the launch server's processes fork
+# ranks, and must stay one thread with no children of their own).
+TORCH_WARM_POOL = "TORCH_WARM_POOL"

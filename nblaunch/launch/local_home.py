@@ -41,6 +41,7 @@ from nblaunch.launch.starting.server_starter import ServerStarter
 from nblaunch.launch.starting.spawn import SpawnStarter
 from nblaunch.launch.supervising.gpu_usage import GpuSampler
 from nblaunch.launch.supervising.supervisor import Supervisor
+from nblaunch.launch.warm_start.ledger import ledger
 
 def _xla_host_starter() -> Starter:
     # Deferred: TPU hosts only; it loads the XLA host's worker code, which no other launch needs.
@@ -76,7 +77,7 @@ class LocalHome:
         # of the launch inherits the tag, whatever session it makes for itself.
         self._launch_id = launch_id
         self._inherited = dict(self._starter.environ_for_ranks(self.plan), **{LAUNCH_ID: launch_id})
-        for message in registry.stop_stale_ranks():
+        for message in registry.stop_stale_ranks() + ledger().notices():
             print(f"nblaunch: {message}", file=sys.stderr)
 
     def shared_log_root(self) -> str | None:
@@ -127,6 +128,10 @@ class LocalHome:
                     proctree.kill_marked(self._launch_id, set(), None)
             if record is not None:
                 record.remove()
+            try:  # the next launch's warm start: what these ranks imported, ranks on standby
+                self._starter.after(plan, [] if supervisor is None else supervisor.imported)
+            except Exception:  # noqa: BLE001  an optimisation only, never this launch's outcome
+                pass
 
     def keep(self) -> KeptLaunch:
         request = self.plan.request

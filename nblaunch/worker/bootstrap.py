@@ -14,6 +14,7 @@ import faulthandler
 import gc
 import logging
 import os
+import pickle
 import signal
 import sys
 import _thread
@@ -23,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 from nblaunch import proctree, wire
+from nblaunch.facts.installed import new_installed_modules
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
 from nblaunch.worker import calls, channel, lifeline, payload
 from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.own_meeting_point import meet_at_the_launchers_store_only
-from nblaunch.worker.inherited import forget_accelerate_state, leave_interactive_session
+from nblaunch.worker.inherited import forget_accelerate_state, forget_half_imported, leave_interactive_session
 from nblaunch.worker.progress import install_progress_hooks
 from nblaunch.worker.reports import RankGuard, describe, send_failure
 from nblaunch.worker.streams import attach_streams, flush_streams
@@ -43,6 +45,9 @@ class WorkerSettings:
     threads: int | None  # intra-op threads, or None to leave the user's choice alone
     parent_pid: int
     sys_path: list[str]
+    # Modules the parent loaded that this rank must import afresh (changed on disk, or loaded
+    # under other variables than this rank's: launch/warm_start/kernel_preload).
+    forget: tuple[str, ...] = ()
 
 
 def run_forked(
@@ -80,6 +85,7 @@ def settle_forked_child(parent_pid: int) -> None:
     # for the parent's threads (Ray's GlobalStateAccessor joins a C++ thread, and a rank hung
     # for ever in the gc.collect() that Trainer calls). Frozen, it is never examined here.
     gc.freeze()
+    forget_half_imported()  # another thread of the launcher was importing: none here will finish it
     # Forked from the launcher's forking thread, which is now this process's main thread: give it
     # the main thread's name back (stacks say "Thread MainThread"; some libraries check the name).
     threading.current_thread().name = "MainThread"
@@ -89,7 +95,7 @@ def settle_forked_child(parent_pid: int) -> None:
 
 def main_spawned(argv: list[str]) -> NoReturn:
     """Entry point of ``python -m nblaunch.worker CONTROL_FD EVENT_FD PARENT_PID``, and of a rank
-    the launch server forked (``nblaunch.worker.fork_server``), its stdout and stderr on 1 and 2."""
+    the launch server forked (``nblaunch.server.serving``), its stdout and stderr on 1 and 2."""
     try:
         with RankGuard(None, 2) as guard:
             guard.phase = Phase.JOINING
@@ -122,6 +128,8 @@ def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, ar
 
 def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     os.environ.update(settings.environ)
+    for name in settings.forget:
+        sys.modules.pop(name, None)
     if v.TORCHELASTIC_USE_AGENT_STORE in settings.environ:
         meet_at_the_launchers_store_only(settings.environ[v.MASTER_PORT])
     lifeline.set_process_name(str(settings.rank))
@@ -157,10 +165,27 @@ def prepare_process() -> None:
 
 
 def serve(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
-    """Run one rank's function and send back its result or failure; returns an exit code.
-
-    The channel must already point at ``event_fd`` for the calling thread.
+    """Run one rank's function and send back its result or failure, then the installed
+    libraries it imported (``wire.IMPORTED``: the next launch's ranks find them loaded); returns
+    an exit code. The channel must already point at ``event_fd`` for the calling thread.
     """
+    before = set(sys.modules)
+    try:
+        return _run_function(function, args, control, event_fd)
+    finally:
+        _tell_imported(before)
+
+
+def _tell_imported(before: set[str]) -> None:
+    try:
+        imported = new_installed_modules(before)
+        if imported:
+            channel.send(wire.IMPORTED, pickle.dumps(imported))
+    except Exception:  # noqa: BLE001  only an optimisation of the next launch: never this rank's exit
+        pass
+
+
+def _run_function(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
     # A bare thread: threading.Thread.start() waits until the new thread runs, which on busy
     # cores is a millisecond of every launch spent before the user's function starts.
     _thread.start_new_thread(_watch_launcher, (control, event_fd))

@@ -6,12 +6,14 @@ its ``Accelerator`` would not join the launch's process group. Accelerate's own 
 to start then; a forked rank simply starts without it.
 
 A rank forked from a kernel also inherits the kernel's interactive prompts, and Lightning, seeing
-them, would refuse to join the launch's ranks with ``strategy="ddp"``.
+them, would refuse to join the launch's ranks with ``strategy="ddp"``; and the imports other
+threads of the kernel had under way, which no thread of the rank will ever finish.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 _ACCELERATE_STATE_CLASSES = ("AcceleratorState", "PartialState", "GradientState")
 
@@ -57,3 +59,25 @@ def leave_interactive_session() -> None:
         if (name.partition(".")[0] in _LIGHTNING_PACKAGES and isinstance(namespace, dict)
                 and namespace.get("_IS_INTERACTIVE") is True):
             namespace["_IS_INTERACTIVE"] = False
+
+
+def forget_half_imported() -> None:
+    """Imports another thread of the parent had under way at the fork (the kernel's own cells, or
+    nblaunch importing ahead for the next launch): no thread here will finish them, and each one's
+    module lock stays held for ever, so importing the module here would wait for ever. Each such
+    module is forgotten, with its lock: this process imports it afresh if it needs it.
+    """
+    bootstrap = sys.modules.get("importlib._bootstrap")
+    locks = getattr(bootstrap, "_module_locks", None)
+    if not isinstance(locks, dict):
+        return
+    me = threading.get_ident()  # the thread that forked: the only one that came along
+    for name, ref in list(locks.items()):
+        lock = ref() if callable(ref) else None
+        owner = getattr(lock, "owner", None)
+        if lock is None or owner is None or owner == me:
+            continue
+        locks.pop(name, None)
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if getattr(spec, "_initializing", False):
+            del sys.modules[name]

@@ -8,44 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from functools import lru_cache
 
 from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
-
-_NVML_SUCCESS = 0
-
-
-def open_nvml() -> tuple[ctypes.CDLL, list[ctypes.c_void_p]] | None:
-    """NVML, initialised, with a handle for each GPU in NVML's order; None where there is no
-    NVIDIA driver or NVML lists no GPU. The caller ends the session: ``nvml.nvmlShutdown()``.
-
-    Example::
-
-        opened = open_nvml()
-        if opened is not None:
-            nvml, handles = opened
-            ...
-            nvml.nvmlShutdown()
-    """
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None  # no NVIDIA driver on this machine
-    if nvml.nvmlInit_v2() != _NVML_SUCCESS:
-        return None
-    count, handles = ctypes.c_uint(0), []
-    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == _NVML_SUCCESS:
-        for index in range(count.value):
-            handle = ctypes.c_void_p()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != _NVML_SUCCESS:
-                break
-            handles.append(handle)
-    if not handles:
-        nvml.nvmlShutdown()
-        return None
-    return nvml, handles
-
+from nblaunch.facts.cuda import cuda_initialized  # noqa: F401  (the planner asks it here)
+from nblaunch.facts.nvml import NVML_SUCCESS as _NVML_SUCCESS, open_nvml
 
 
 @lru_cache(maxsize=1)
@@ -107,23 +74,3 @@ def visible_gpus(physical: int) -> list[int | None]:
 def cuda_device_count() -> int:
     """Number of CUDA devices this process may use, without initialising CUDA."""
     return len(visible_gpus(_nvml_device_count()))
-
-
-def cuda_initialized() -> bool:
-    """True if this process has already initialised CUDA (so it must not fork): torch's CUDA,
-    or only the driver, which ``torch.cuda.is_available()`` initialises without saying so."""
-    torch = sys.modules.get("torch")  # not imported means not initialised
-    return bool(torch is not None and torch.cuda.is_initialized()) or _driver_initialized()
-
-
-_CUDA_SUCCESS = 0  # cuDeviceGetCount before cuInit: CUDA_ERROR_NOT_INITIALIZED (3)
-
-
-def _driver_initialized() -> bool:
-    """Whether the CUDA driver is loaded in this process and initialised (cuInit has run)."""
-    try:  # RTLD_NOLOAD: only a library this process already loaded; never loads the driver
-        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    return driver.cuDeviceGetCount(ctypes.byref(count)) == _CUDA_SUCCESS

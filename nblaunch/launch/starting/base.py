@@ -8,6 +8,7 @@ attempt, for every process of the launch. Example::
     workers = starter.start(plan, environ)             # one WorkerProcess per rank (XLA: one host)
     ...
     starter.release()                                  # after the attempt, whatever happened
+    starter.after(plan, imported)                      # what its ranks imported, for the next launch
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.processes import WorkerProcess, kill_and_reap
+from nblaunch.launch.warm_start.ledger import ledger
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
@@ -39,6 +41,12 @@ class Starter(ABC):
 
     def release(self) -> None:
         """Free what ``start`` held for the ranks (a spawn's shared memory); after every attempt."""
+
+    def after(self, plan: LaunchPlan, imported: list[str]) -> None:
+        """After an attempt, whatever happened: ``imported`` is what its ranks imported
+        (installed libraries, in order); the next launch's ranks should find it loaded. Runs on
+        the launch's thread, so it only starts what takes long."""
+        ledger().learn(imported)
 
 
 def rank_settings(plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerSettings]:

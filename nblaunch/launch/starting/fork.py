@@ -1,14 +1,19 @@
 """Fork: every rank begins as a copy of the launching process (the quickest start, the default
-where it is safe). The child shares the parent's memory, so data sets are not copied."""
+where it is safe). The child shares the parent's memory, so data sets are not copied, and every
+module the parent imported: what earlier ranks imported is imported here between launches
+(``launch/warm_start/kernel_preload``), so the next ranks begin with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable, NoReturn
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter, rank_settings
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_processes
+from nblaunch.launch.warm_start.kernel_preload import kernel_preload
+from nblaunch.launch.warm_start.ledger import ledger
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.streams import std_stream_handlers
@@ -33,7 +38,13 @@ class ForkStarter(Starter):
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         request = plan.request
-        return fork_ranks(rank_settings(plan, environ), request.function, request.args)
+        with kernel_preload().before_fork() as (preloaded, forget):  # between two of its imports
+            each = [dataclasses.replace(s, forget=forget) for s in rank_settings(plan, dict(preloaded, **environ))]
+            return fork_ranks(each, request.function, request.args)
+
+    def after(self, plan: LaunchPlan, imported: list[str]) -> None:
+        ledger().learn(imported)
+        kernel_preload().after_launch()  # in the background: the next launch's ranks inherit it
 
 
 def fork_ranks(each: list[WorkerSettings], function: Callable, args: tuple) -> list[WorkerProcess]:

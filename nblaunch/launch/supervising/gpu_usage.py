@@ -18,14 +18,11 @@ from __future__ import annotations
 import ctypes
 
 from nblaunch.events import GpuUsage
-from nblaunch.launch.planning.devices import open_nvml, visible_gpus
+from nblaunch.launch.planning.devices import visible_gpus
+from nblaunch.facts.nvml import Memory, open_nvml
 
 SAMPLE_EVERY_S = 2.0
 _SUCCESS, _INSUFFICIENT_SIZE = 0, 7
-
-
-class _Memory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
 
 class _Utilization(ctypes.Structure):
@@ -58,7 +55,7 @@ class GpuSampler:
         """One ``GpuUsage`` per rank of ``pids`` (rank -> its process id) whose GPU can be told."""
         gpus = []  # (index, utilisation, used, total, {pid: used by it})
         for index, handle in enumerate(self._handles):
-            memory, busy = _Memory(), _Utilization()
+            memory, busy = Memory(), _Utilization()
             if (self._nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != _SUCCESS
                     or self._nvml.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(busy)) != _SUCCESS):
                 continue

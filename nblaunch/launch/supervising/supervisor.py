@@ -44,7 +44,6 @@ _DRAIN_MAX_READS = 64  # after a rank's exit, what its pipes held: at most 64 Mi
 
 _FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"  # see WatchedRank
 
-
 class Supervisor:
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
@@ -59,11 +58,8 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._stacks: dict[int, str] = {}
         self._shown_failed: list[int] = []  # ranks in the order their failure was shown
-        self._stopping = False
-        self._output_trickle = False
-        self._cancel_requested = False
+        self._stopping = self._output_trickle = self._cancel_requested = self._stacks_requested = False
         self._cancel_as: BaseException | None = None  # what a cancel raises instead of LaunchCancelledError
-        self._stacks_requested = False
         # Stopping as asked (interrupt, timeout, cancel): a rank that then loses a peer stopped a
         # moment earlier (here or on another node) was stopped, it did not fail.
         self._stopping_on_request = False
@@ -168,13 +164,16 @@ class Supervisor:
                 rank.pipes.request_stacks()
 
     @property
-    def ended_cleanly(self) -> bool:
-        """Every process stopped what it had started before it left."""
+    def ended_cleanly(self) -> bool:  # every process stopped what it had started before it left
         return all(process.cleaned for process in self._processes)
 
     @property
     def stacks(self) -> dict[int, str]:
         return dict(self._stacks)
+
+    @property
+    def imported(self) -> list[str]:  # the installed libraries the ranks imported (wire.IMPORTED), once each
+        return list(dict.fromkeys(name for r in sorted(self._ranks) for name in self._ranks[r].imported))
 
     def _live(self) -> list[WatchedRank]:
         return [r for r in self._ranks.values() if not r.finished]
@@ -294,6 +293,8 @@ class Supervisor:
             self._emit(RankDevice(rank=r, device=device, precision=precision))
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
+        elif kind == wire.IMPORTED:
+            rank.imported = pickle.loads(body)
 
     def _fail(self, rank: WatchedRank, failure: RankFailure) -> None:
         if self._stopping_on_request and failure.collateral:

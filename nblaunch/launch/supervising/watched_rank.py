@@ -29,6 +29,7 @@ class WatchedRank:
         self.result: Any = None
         self.failure: RankFailure | None = None  # its failed_at orders a launch's failures
         self.finished = False
+        self.imported: list[str] = []  # the installed libraries it imported, told at its end
 
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")

@@ -1,0 +1,87 @@
+"""Which loaded modules are installed libraries: what a rank may find imported ahead of it.
+
+A module counts when its package's file lies in this interpreter's standard library or one of its
+site-packages folders. Code of the user's own (the notebook's folder, a path added to
+``sys.path``, an editable install) never does: it may change between two launches, and each
+launch must import it afresh.
+
+Example::
+
+    before = set(sys.modules)
+    import sklearn.datasets
+    new_installed_modules(before)   # ['sklearn', 'sklearn.base', ..., 'sklearn.datasets']
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Iterable
+
+# Not libraries a rank loads for itself: the process's entry point, multiprocessing's alias of it.
+_NEVER = frozenset({"__main__", "__mp_main__"})
+
+
+_SITE_FOLDER_NAMES = ("site-packages", "dist-packages")  # pip's, and Debian's (Colab's Python is Debian's)
+
+
+@functools.lru_cache(maxsize=1)
+def library_folders() -> tuple[str, ...]:
+    """The standard library's and every site-packages folder of this interpreter (its own, and
+    any on ``sys.path``: a venv that sees the system's packages, a ``.pth`` that adds some), each
+    ending in a separator."""
+    folders = {sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        folders.update(site.getsitepackages())
+        folders.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site module: sysconfig's paths are enough
+        pass
+    folders.update(p for p in sys.path if os.path.basename(os.path.normpath(p or ".")) in _SITE_FOLDER_NAMES)
+    return tuple(sorted(os.path.realpath(f) + os.sep for f in folders if f))
+
+
+def top_level(name: str) -> str:
+    """``"sklearn"`` for ``"sklearn.datasets._base"``."""
+    return name.partition(".")[0]
+
+
+def is_installed_package(name: str) -> bool:
+    """Whether the loaded top-level package ``name`` is an installed library (see the module)."""
+    namespace = _namespace(sys.modules.get(name))
+    spec = namespace.get("__spec__")
+    origin = getattr(spec, "origin", None) or namespace.get("__file__")
+    if not isinstance(origin, str):  # built in, frozen, or a namespace package's folders
+        locations = getattr(spec, "submodule_search_locations", None) or []
+        origin = next(iter(locations), None)
+        if not isinstance(origin, str):
+            return False
+    return os.path.realpath(origin).startswith(library_folders())
+
+
+def new_installed_modules(before: Iterable[str] | set[str]) -> list[str]:
+    """The installed modules loaded since ``before`` (names in ``sys.modules`` then), in the
+    order they were loaded, each importable by its name."""
+    before = before if isinstance(before, (set, frozenset, dict)) else set(before)
+    verdicts: dict[str, bool] = {}
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name in before or name in _NEVER or module is None:
+            continue
+        spec = _namespace(module).get("__spec__")
+        if getattr(spec, "name", None) != name:  # an alias (six.moves, ...): not importable as such
+            continue
+        top = top_level(name)
+        if top not in verdicts:
+            verdicts[top] = top != "nblaunch" and is_installed_package(top)
+        if verdicts[top]:
+            found.append(name)
+    return found
+
+
+def _namespace(module: object) -> dict:
+    """A module's own attributes, read without its ``__getattr__`` (a lazy module imports there)."""
+    namespace = getattr(module, "__dict__", None)
+    return namespace if isinstance(namespace, dict) else {}

@@ -1,0 +1,72 @@
+"""Importing, ahead of the ranks, what they will import: one package at a time, each judged.
+
+Used where ranks come from: a generation of the launch server before it forks ranks
+(``server/generation``), and a probe forked from the kernel before the kernel imports for its
+forked ranks (``launch/warm_start/kernel_preload``). What a package's import did decides
+whether the process may still fork ranks after it:
+
+- ``ok``: loaded.
+- ``raised ...``: not loaded; the ranks import it themselves, and fail or not as they would.
+- ``initialises CUDA``: a process that started CUDA cannot fork a rank whose CUDA works.
+- ``starts threads``: a Python thread was started: a fork copies one thread of several, and
+  locks the others held stay held in the child for ever. (Threads of C libraries, OpenBLAS's
+  pool, are left alone: they re-make themselves in a fork, as every forked DataLoader worker
+  relies on. An OpenMP pool is a hazard only for the thread that ran a parallel region, and a
+  generation imports with one intra-op thread: see ``server/generation``.)
+
+Example::
+
+    for package, names in packages_in_order(["sklearn", "sklearn.base", "scipy.linalg"]):
+        verdict = load_package(names, watch_threads=True)    # "ok"
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterable
+
+from nblaunch.facts.cuda import cuda_initialized
+from nblaunch.facts.installed import top_level
+
+OK = "ok"
+CUDA = "initialises CUDA"
+THREADS = "starts threads"
+POISONED = (CUDA, THREADS)  # after these the process must not fork ranks any more
+_SAID_AT_MOST = 200  # characters of an exception kept in a verdict
+
+
+def packages_in_order(names: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """``names`` grouped by top-level package, packages in the order they first appear and names
+    in their own order within each."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(top_level(name), []).append(name)
+    return list(groups.items())
+
+
+def load_package(names: list[str], *, watch_threads: bool) -> str:
+    """Import ``names`` (one package's modules, its top-level one among them or implied) and
+    judge what that did to this process. A submodule that does not import by its own name (some
+    are made by their package at run time) is skipped; the package itself raising is the verdict."""
+    threads_before = _thread_count() if watch_threads else 0
+    try:
+        importlib.import_module(top_level(names[0]))
+    except BaseException as error:  # noqa: BLE001  whatever it raised, the ranks meet it themselves
+        if isinstance(error, KeyboardInterrupt):
+            raise
+        return f"raised {type(error).__name__}: {error}"[:_SAID_AT_MOST]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001  see the docstring
+            continue
+    if cuda_initialized():
+        return CUDA
+    if watch_threads and _thread_count() > threads_before:
+        return THREADS
+    return OK
+
+
+def _thread_count() -> int:
+    return threading.active_count()
