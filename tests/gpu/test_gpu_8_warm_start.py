@@ -1,0 +1,228 @@
+"""Issue 44: re-running a GPU cell at the kernel's speed. In a real kernel (nbclient) that asked
+``torch.cuda.is_available()`` first (so every launch's ranks come from the launch server), the
+tutorial's loop (BasicNet, Accelerator(mixed_precision=...), AdamW; scikit-learn imported inside)
+launched cell after cell: the server is up before the first launch; after a launch a rank waits
+on the GPU with CUDA ready and what the ranks imported loaded; the next launch claims it; the
+previous launch's GPU memory is freed; mixed precision changes from one launch to the next; the
+waiting rank makes room when the kernel starts CUDA or allocates, and for good after an
+out-of-memory error here; a library that starts CUDA at import is never loaded ahead, in the
+server (it would poison the generation) nor in a CUDA-clean kernel (it would poison the kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sysconfig
+import uuid
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from gpu_common import DRIVER_PROBE_SOURCE, GPU_MARKS
+from nbcells import everything_shown
+
+pytestmark = GPU_MARKS
+
+TUTORIAL = '''
+import json, os, sys, time
+import torch
+
+def train(mixed_precision, hold_gib=0, extra=None):
+    """The tutorial's loop, timed by phases inside the rank."""
+    began = time.perf_counter()
+    found = {"cuda_ready": torch.cuda.is_initialized(), "sklearn": "sklearn" in sys.modules,
+             "dynamo": "torch._dynamo" in sys.modules, "pid": os.getpid()}
+    if extra:
+        __import__(extra)
+    from sklearn.datasets import load_digits
+    import torch.nn as nn, torch.nn.functional as F
+    from nblaunch import Accelerator
+    imported = time.perf_counter()
+
+    class BasicNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
+            self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
+            self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+            x = self.fc2(self.dropout2(F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))))
+            return F.log_softmax(x, dim=1)
+
+    digits = load_digits()
+    images = F.interpolate(torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16, size=(28, 28))
+    data = torch.utils.data.TensorDataset(images, torch.tensor(digits.target))
+    loader = torch.utils.data.DataLoader(data, batch_size=64, shuffle=True)
+    accelerator = Accelerator(mixed_precision=mixed_precision)
+    model = BasicNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    prepared = time.perf_counter()
+    first_step = None
+    for epoch in range(3):
+        for x, y in loader:
+            loss = F.nll_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if first_step is None:
+                torch.cuda.synchronize()
+                first_step = time.perf_counter() - prepared
+    held = torch.empty(hold_gib << 30, dtype=torch.uint8, device=accelerator.device) if hold_gib else None
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    found.update(imports_s=imported - began, prepare_s=prepared - imported, first_step_s=first_step,
+                 total_s=done - began, loss=float(loss), precision=accelerator.mixed_precision,
+                 device=str(accelerator.device), held=held is not None)
+    return found
+
+def launch(*args, **options):
+    started = time.perf_counter()
+    [result] = notebook_launcher(train, args=args, num_processes=1, display="text", timeout=300, **options)
+    result["launch_s"] = time.perf_counter() - started
+    print("LAUNCHED " + json.dumps(result), flush=True)
+    return result
+
+def gpu_used_mib():
+    from nblaunch.facts import nvml
+    library, handles = nvml.open_nvml()
+    free, used, total = nvml.memory_info(library, handles[0])
+    library.nvmlShutdown()
+    return used >> 20
+
+def waiting(wait=120):
+    ready = nblaunch.warm_start(wait=wait)
+    print("WAITING " + json.dumps({"pids": [r.pid for r in ready.waiting], "devices": [r.device for r in ready.waiting],
+                                   "held_mib": [r.held_mib for r in ready.waiting],
+                                   "ready_s": [r.ready_s for r in ready.waiting], "refused": ready.refused,
+                                   "off": ready.standby_off, "last_release": ready.last_release}), flush=True)
+    print(repr(ready), flush=True)
+    return ready
+'''
+
+SERVER_PATH = [
+    "import torch\nprint('AVAILABLE', torch.cuda.is_available())",  # the driver starts here: spawn from now on
+    "import nblaunch, psutil\nfrom nblaunch import notebook_launcher\n" + DRIVER_PROBE_SOURCE,
+    "from nblaunch.launch.warm_start import early_start\nearly_start.wait_started(60)\n"
+    "print('CHILDREN ' + json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children()]))",
+    TUTORIAL,
+    "first = launch('fp16')",
+    "before = waiting()\nused_waiting = gpu_used_mib()",
+    "second = launch('bf16', hold_gib=4)",  # claims the waiting rank; holds 4 GiB until it ends
+    "after = waiting()\nprint('MEMORY ' + json.dumps({'waiting': used_waiting, 'after': gpu_used_mib()}))",
+    "third = launch('no')",
+    "waiting()\nmine = torch.zeros(1, device='cuda')  # torch starts CUDA here: the waiting rank goes first\n"
+    "print('RELEASED ' + json.dumps([r.pid for r in nblaunch.warm_start().waiting]))",
+    "fourth = launch('bf16')\nwaiting()",
+    # This kernel allocates 512 MiB: the waiting rank sees its GPU's memory wanted and leaves by itself.
+    "grown = torch.empty(512 << 20, dtype=torch.uint8, device='cuda')\ndeadline = time.monotonic() + 30\n"
+    "while nblaunch.warm_start().waiting and time.monotonic() < deadline:\n    time.sleep(0.05)\nwaiting(wait=0)",
+    "fifth = launch('fp16')\nwaiting()\ntry:\n    torch.empty(torch.cuda.mem_get_info()[0] + (8 << 30), dtype=torch.uint8, device='cuda')\n"
+    "except torch.OutOfMemoryError:\n    print('OUT_OF_MEMORY')\ndeadline = time.monotonic() + 30\n"
+    "while nblaunch.warm_start().standby_off is None and time.monotonic() < deadline:\n    time.sleep(0.05)\nwaiting(wait=0)",
+    "sixth = launch('bf16')\nwaiting()",
+]
+
+
+def run_notebook(folder, cells: list[str]) -> list:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in cells])
+    NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(folder)}}).execute()
+    return nb.cells
+
+
+def said(cell, tag: str) -> list:
+    shown = everything_shown(cell)
+    assert "Traceback" not in shown or tag == "", shown[-3000:]
+    return [json.loads(m) for m in re.findall(rf"^{tag} (.*)$", shown, re.M)]
+
+
+@pytest.fixture(scope="module")
+def server_path(tmp_path_factory):
+    return run_notebook(tmp_path_factory.mktemp("warm"), SERVER_PATH)
+
+
+def test_the_launch_server_is_up_before_the_first_launch_needs_it(server_path, record_property):
+    [children] = said(server_path[2], "CHILDREN")
+    record_property("kernel's children before any launch", children)
+    assert any("nblaunch.server.base_process" in command for command in children), children
+
+
+def test_later_launches_claim_a_rank_waiting_with_cuda_and_the_libraries_ready(server_path, record_property):
+    [first], [before], [second] = said(server_path[4], "LAUNCHED"), said(server_path[5], "WAITING"), said(server_path[6], "LAUNCHED")
+    for name, run in (("first", first), ("second", second)):
+        record_property(f"{name} launch", {k: round(v, 3) if isinstance(v, float) else v for k, v in run.items()})
+    record_property("waiting after the first", before)
+    assert first["dynamo"], "the first launch's rank did not find torch._dynamo loaded: the server was not warm"
+    assert before["devices"] == ["0"] and before["held_mib"][0] is not None, before
+    assert second["pid"] == before["pids"][0], "the second launch did not take the waiting rank"
+    assert second["cuda_ready"] and second["sklearn"] and second["dynamo"], second
+    assert second["device"] == "cuda:0" and second["precision"] == "bf16" and first["precision"] == "fp16"
+
+
+def test_a_launchs_gpu_memory_is_freed_and_mixed_precision_changes_between_launches(server_path, record_property):
+    [memory] = said(server_path[7], "MEMORY")
+    [third] = said(server_path[8], "LAUNCHED")
+    record_property("GPU MiB used, a rank waiting, before and after a launch that held 4 GiB", memory)
+    assert memory["after"] - memory["waiting"] < 1024, memory  # the 4 GiB went with the launch
+    assert third["precision"] == "no" and third["loss"] > 0
+
+
+def test_the_waiting_rank_makes_room_when_this_kernel_starts_cuda_allocates_or_runs_out(server_path, record_property):
+    [released] = said(server_path[9], "RELEASED")
+    assert released == [], "the waiting rank was still there after the kernel started CUDA"
+    [after_fourth] = said(server_path[10], "WAITING")
+    assert after_fourth["pids"], "no rank waited again after the next launch"
+    [grown] = said(server_path[11], "WAITING")
+    record_property("after the kernel allocated 512 MiB", grown)
+    assert grown["pids"] == [] and "memory was wanted" in (grown["last_release"] or ""), grown
+    shown = everything_shown(server_path[12])
+    assert "OUT_OF_MEMORY" in shown, shown[-2000:]
+    off = said(server_path[12], "WAITING")[-1]
+    assert off["off"] == "this process ran out of GPU memory" and off["pids"] == [], off
+    [sixth] = said(server_path[13], "LAUNCHED")
+    [after_sixth] = said(server_path[13], "WAITING")
+    assert sixth["loss"] > 0 and after_sixth["pids"] == [], after_sixth  # off for good in this kernel
+
+
+STARTS_CUDA = "import os, torch\ntorch.cuda.init()\nVALUE = 1\n"
+FORK_PATH = [
+    "import json, os, sys, time\nimport torch, nblaunch\nfrom nblaunch import notebook_launcher\n" + DRIVER_PROBE_SOURCE,
+    "def use(package):\n    import torch\n    return __import__(package).VALUE, float(torch.ones(2, device='cuda').sum())\n"
+    "print('FIRST ' + json.dumps(notebook_launcher(use, args=(PACKAGE,), num_processes=1, display='text')))\n"
+    "ready = nblaunch.warm_start(wait=120)\n"
+    "print('KERNEL ' + json.dumps({'clean': not cuda_driver_initialised() and not torch.cuda.is_initialized(), "
+    "'refused': ready.refused, 'loaded': PACKAGE in sys.modules}))\n"
+    "print('SECOND ' + json.dumps(notebook_launcher(use, args=(PACKAGE,), num_processes=1, display='text')))",
+]
+
+
+@pytest.fixture
+def starts_cuda():
+    name = f"nbl_warm_cuda_{uuid.uuid4().hex[:8]}"
+    folder = os.path.join(sysconfig.get_paths()["purelib"], name)
+    os.makedirs(folder)
+    with open(os.path.join(folder, "__init__.py"), "w") as f:
+        f.write(STARTS_CUDA)
+    yield name
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_library_that_starts_cuda_at_import_is_never_loaded_ahead(starts_cuda, tmp_path, record_property):
+    cells = run_notebook(tmp_path, [f"PACKAGE = {starts_cuda!r}", *FORK_PATH])
+    [first], [kernel], [second] = said(cells[2], "FIRST"), said(cells[2], "KERNEL"), said(cells[2], "SECOND")
+    record_property("fork path", kernel)
+    assert first == second == [[1, 2.0]]
+    assert kernel["clean"] and not kernel["loaded"] and kernel["refused"].get(starts_cuda) == "initialises CUDA", kernel
+    server = run_notebook(tmp_path, [f"PACKAGE = {starts_cuda!r}", "import torch\ntorch.cuda.is_available()", *FORK_PATH])
+    [first], [kernel], [second] = said(server[3], "FIRST"), said(server[3], "KERNEL"), said(server[3], "SECOND")
+    record_property("server path", kernel)
+    assert first == second == [[1, 2.0]]
+    assert kernel["refused"].get(starts_cuda) == "initialises CUDA", kernel
+    assert f"could not load {starts_cuda} ahead of the ranks (initialises CUDA)" in everything_shown(server[3])
