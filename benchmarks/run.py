@@ -4,7 +4,7 @@ Each measurement runs in a subprocess of its own with a hard time limit (its pro
 killed past it), so one failure or hang does not poison the others. Results go to
 ``benchmarks/results/latest.json`` and ``latest.md`` (or ``--out DIR``).
 
-Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm (default: all).
+Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm, rerun (default: all).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ MEASUREMENTS = {
             "initialised, a failure", 420),
     "slurm": ("benchmarks.m_slurm:run", "11. Several machines on Slurm: a real Slurm of 2 nodes here, 2 ranks each",
               900),
+    "rerun": ("benchmarks.m_rerun:run", "12. Re-running a cell: a later launch of a function that imports "
+              "scikit-learn and trains a small CNN, 2 s after the one before", 600),
 }
 
 
