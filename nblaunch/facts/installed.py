@@ -1,9 +1,10 @@
 """Which loaded modules are installed libraries: what a rank may find imported ahead of it.
 
-A module counts when its package's file lies in this interpreter's standard library or one of its
-site-packages folders. Code of the user's own (the notebook's folder, a path added to
-``sys.path``, an editable install) never does: it may change between two launches, and each
-launch must import it afresh.
+A module counts when its top-level package sits right in one of this interpreter's
+site-packages folders (pip's, or Debian's dist-packages). Code of the user's own (the notebook's
+folder, a path added to ``sys.path``, an editable install) never does: it may change between two
+launches, and each launch must import it afresh. Nor does the standard library: it costs a rank
+little, and some of it changes the process that imports it (``readline`` takes over signals).
 
 Example::
 
@@ -30,10 +31,9 @@ _SITE_FOLDER_NAMES = ("site-packages", "dist-packages")  # pip's, and Debian's (
 
 @functools.lru_cache(maxsize=1)
 def library_folders() -> tuple[str, ...]:
-    """The standard library's and every site-packages folder of this interpreter (its own, and
-    any on ``sys.path``: a venv that sees the system's packages, a ``.pth`` that adds some), each
-    ending in a separator."""
-    folders = {sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    """Every site-packages folder of this interpreter (its own, and any on ``sys.path``: a venv
+    that sees the system's packages, a ``.pth`` that adds some), each ending in a separator."""
+    folders = {sysconfig.get_path(key) for key in ("purelib", "platlib")}
     try:
         folders.update(site.getsitepackages())
         folders.add(site.getusersitepackages())
@@ -49,16 +49,25 @@ def top_level(name: str) -> str:
 
 
 def is_installed_package(name: str) -> bool:
-    """Whether the loaded top-level package ``name`` is an installed library (see the module)."""
+    """Whether the loaded top-level package ``name`` is an installed library (see the module):
+    it sits right in one of ``library_folders()``, as ``name/`` or ``name.py`` (``name.*.so``),
+    so it imports by its name from any process of this interpreter (a library's vendored copy of
+    another, added to ``sys.path`` at run time, does not)."""
+    if name in sys.stdlib_module_names:
+        return False
     namespace = _namespace(sys.modules.get(name))
     spec = namespace.get("__spec__")
     origin = getattr(spec, "origin", None) or namespace.get("__file__")
-    if not isinstance(origin, str):  # built in, frozen, or a namespace package's folders
-        locations = getattr(spec, "submodule_search_locations", None) or []
-        origin = next(iter(locations), None)
-        if not isinstance(origin, str):
+    if isinstance(origin, str):
+        place = os.path.dirname(os.path.realpath(origin))
+        if getattr(spec, "submodule_search_locations", None) is not None:  # a package: name/__init__.py
+            place = os.path.dirname(place)
+    else:  # built in, frozen, or a namespace package: its folders
+        folder = next(iter(getattr(spec, "submodule_search_locations", None) or []), None)
+        if not isinstance(folder, str):
             return False
-    return os.path.realpath(origin).startswith(library_folders())
+        place = os.path.dirname(os.path.realpath(folder))
+    return place + os.sep in library_folders()
 
 
 def new_installed_modules(before: Iterable[str] | set[str]) -> list[str]:

@@ -36,13 +36,20 @@ class ForkStarter(Starter):
         except Exception:  # an optimisation only: the ranks import it themselves if it fails here
             return {}
 
+    def __init__(self) -> None:
+        self._aside = False  # the imports here wait for this launch (see warm_start/stepping_aside)
+
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         request = plan.request
+        self._aside = self._aside or kernel_preload().launches.began(plan.num_processes)
         with kernel_preload().before_fork() as (preloaded, forget):  # between two of its imports
             each = [dataclasses.replace(s, forget=forget) for s in rank_settings(plan, dict(preloaded, **environ))]
             return fork_ranks(each, request.function, request.args)
 
     def after(self, plan: LaunchPlan, imported: list[str]) -> None:
+        if self._aside:
+            self._aside = False
+            kernel_preload().launches.ended()
         ledger().learn(imported)
         kernel_preload().after_launch()  # in the background: the next launch's ranks inherit it
 

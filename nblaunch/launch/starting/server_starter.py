@@ -40,6 +40,7 @@ class ServerStarter(Starter):
     def __init__(self) -> None:
         self._payload: Payload | None = None
         self._shape: Shape | None = None
+        self._aside = False  # the server's warm-up steps aside for this launch (warm_start/stepping_aside)
 
     def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
         launch_server()  # started now, on the caller's thread: torch imports there meanwhile
@@ -50,6 +51,7 @@ class ServerStarter(Starter):
         server = launch_server()
         here, cwd = dict(os.environ), os.getcwd()  # the ranks' environment is this process's now
         self._shape = Shape.of(plan.num_processes, plan.device_kind, here, cwd)
+        self._aside = self._aside or server.launch_began(plan.num_processes)
         waiting = server.claim_standby(self._shape)
         sources: list[ServerLink] = []
 
@@ -74,6 +76,9 @@ class ServerStarter(Starter):
 
     def after(self, plan: LaunchPlan, imported: list[str]) -> None:
         ledger().learn(imported)
+        if self._aside:
+            self._aside = False
+            launch_server().launch_ended()
         if self._shape is not None:
             launch_server().after_launch(self._shape)
 

@@ -42,6 +42,7 @@ from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.forking_thread import run_on_forking_thread
 from nblaunch.launch.warm_start.ledger import Stamp, changed, enabled, ledger, stamps
+from nblaunch.launch.warm_start.stepping_aside import Launches
 from nblaunch.preimport import environ_put_back, environ_reads
 from nblaunch.server.loading import OK, load_package, packages_in_order
 from nblaunch.worker import lifeline
@@ -62,6 +63,7 @@ class KernelPreload:
         # package -> (the variables its import read, "*" for all; os.environ then)
         self._loaded: dict[str, tuple[frozenset[str], dict[str, str]]] = {}
         self._stamps: dict[str, Stamp | None] = {}
+        self.launches = Launches()  # the imports wait for a launch that runs alone (stepping_aside)
 
     def after_launch(self) -> None:
         """Import, in the background, what the ranks imported that this process has not."""
@@ -114,6 +116,7 @@ class KernelPreload:
                     ledger().refuse(package, verdict)
             packages = [(p, modules) for p, modules in packages if verdicts.get(p) == OK]
         for package, modules in packages:
+            self.launches.wait_turn()
             if cuda_initialized():
                 return  # the user started CUDA meanwhile: forks are over in this process
             with self._importing:

@@ -4,14 +4,16 @@ forked here, and how they begin warm. The kernel's side of three kinds of proces
 - the **base** (``server/base_process``): started once, early where a GPU is (``early_start``), else by
   the first launch that needs it; imports torch, never CUDA.
 - a **trusted generation**, forked by the base for this process's environment as it is: imports
-  what a first training step needs (``ledger.TRUSTED``: seconds, once). A launch waits for it.
+  what a first training step needs (``ledger.TRUSTED``: seconds, once).
 - a **full generation**, forked by the trusted one: imports this process's libraries and what
   ranks imported (``ledger.for_server``), one package at a time; used once ready, never waited
   for. A package that raises, starts CUDA or threads, or hangs (60 s) is refused (said once, at
   the next launch) and a generation without it is asked for.
 
-A launch's ranks come from the full generation if it fits (this process's environment as it is
-now, its packages unchanged on disk), else the trusted one, else the base; ranks waiting on
+A launch's ranks come from the full generation if it is ready and fits (this process's
+environment as it is now, its packages unchanged on disk), else the trusted one if ready, else
+the base: a launch never waits for a generation (a function that does not train would wait for
+nothing; one that trains imports what it needs itself); ranks waiting on
 standby for the launch's shape are claimed first (``standby``). After each launch a warm-up
 runs on a thread of its own: the generations for the environment as it is now, then ranks on
 standby for that launch's shape.
@@ -45,11 +47,12 @@ from nblaunch.launch.starting.spawn import PACKAGE_ROOT
 from nblaunch.launch.warm_start import standby
 from nblaunch.launch.warm_start.ledger import TRUSTED, Stamp, changed, enabled, ledger, stamps
 from nblaunch.launch.warm_start.server_link import ServerLink
+from nblaunch.launch.warm_start.stepping_aside import Launches
 from nblaunch.facts.installed import top_level
 from nblaunch.server.loading import OK
 
 READY_BACKSTOP_S = 300.0  # importing torch takes seconds; a base that never gets there is broken
-TRUSTED_WAIT_S = 120.0  # a launch waits this long for the trusted generation (torch._dynamo)
+TRUSTED_WAIT_S = 120.0  # a warm-up waits this long for the trusted generation (torch._dynamo)
 PACKAGE_HANGS_S = 60.0  # a package a generation has been importing this long is refused
 _TRIES = 3  # generations asked for in one warm-up, each without what poisoned the one before
 
@@ -83,6 +86,7 @@ class LaunchServer:
         self.last_release: str | None = None  # why the last ranks on standby were let go
         self._warming = self._warm_again = False
         self._watching_cuda_here = False
+        self._launches = Launches()
         self._base = self._start_base()
 
     # ------------------------------------------------------------------ the base
@@ -112,6 +116,10 @@ class LaunchServer:
     def alive(self) -> bool:
         return self._base.alive
 
+    @property
+    def base(self) -> ServerLink:
+        return self._base
+
     def _on_frame(self, link: ServerLink, kind: bytes, news: object) -> None:
         if kind == wire.SERVER_GENERATION_STARTED:
             generation_id, pid, fd = news
@@ -134,10 +142,9 @@ class LaunchServer:
             raise RuntimeError(f"nblaunch's launch server failed: {why}")
         with self._lock:
             full, trusted = self._full, self._trusted
-        if full is not None and full.link.ready and full.fits(environ):
-            return full.link
-        if trusted is not None and trusted.fits(environ) and trusted.link.wait_ready(TRUSTED_WAIT_S):
-            return trusted.link
+        for generation in (full, trusted):
+            if generation is not None and generation.link.ready and generation.fits(environ):
+                return generation.link
         return self._base
 
     def claim_standby(self, shape: standby.Shape) -> dict[int, WorkerProcess]:
@@ -153,6 +160,25 @@ class LaunchServer:
         self.last_release = why
         group.release()
         return {}
+
+    def launch_began(self, num_processes: int) -> bool:
+        """A launch of ``num_processes`` ranks starts: if it runs alone (``stepping_aside``), the
+        generations still importing stop until ``launch_ended``. True if they do."""
+        if not self._launches.began(num_processes):
+            return False
+        with self._lock:
+            for generation in (self._trusted, self._full):
+                if generation is not None and generation.link.alive and not generation.link.ready:
+                    generation.link.pause()
+        return True
+
+    def launch_ended(self) -> None:
+        self._launches.ended()
+        if not self._launches.alone:
+            with self._lock:
+                for generation in (self._trusted, self._full, *self._retiring):
+                    if generation is not None:
+                        generation.link.resume()
 
     def after_launch(self, shape: standby.Shape) -> None:
         """A launch from this server ended: warm up for the next one (in the background)."""
@@ -221,6 +247,7 @@ class LaunchServer:
             return
         with self._lock:
             trusted = self._trusted if self._trusted is not None and self._trusted.fits(environ) else None
+        self._launches.wait_turn()  # a generation made now would be stopped at once
         if trusted is None:
             trusted = self._ask(self._base, environ, list(TRUSTED))
             with self._lock:
@@ -262,7 +289,7 @@ class LaunchServer:
             if not link.alive:
                 return False
             loading = link.loading
-            if loading is not None and time.monotonic() - loading[1] > PACKAGE_HANGS_S:
+            if loading is not None and not link.paused and time.monotonic() - loading[1] > PACKAGE_HANGS_S:
                 ledger().refuse(loading[0], f"its import did not finish within {PACKAGE_HANGS_S:g} s")
                 link.kill("a package's import hung")
                 return False
@@ -311,47 +338,16 @@ class LaunchServer:
             self._standby = None
         if current is not None:
             current.release()
-        if shape.device_kind == "cuda":
-            self._watch_cuda_here()
+        if shape.device_kind == "cuda" and not self._watching_cuda_here:
+            self._watching_cuda_here = standby.watch_cuda_here(self.release_standby)
         ahead = [n for n in ledger().learned() if n not in source.names] if enabled() else []
         made = standby.StandbyGroup.start(shape, source.link, ahead)
+        made.wait_ready(standby.CLAIM_WAIT_S)  # "waiting" means ready (warm_start(wait=...) says so)
         with self._lock:
             if self._standby is None and self._standby_shape == shape:
                 self._standby = made
                 return
         made.release()  # a launch or a release came meanwhile
-
-
-    def _watch_cuda_here(self) -> None:
-        """This process's own GPU memory must never be short because ranks wait: they go when
-        torch starts CUDA here (before it allocates anything), and for good after an
-        out-of-memory error here. (They also leave by themselves when any process, this one
-        included, allocates on their GPU: ``server/standby_rank``.)"""
-        torch = sys.modules.get("torch")
-        if self._watching_cuda_here or torch is None:
-            return
-        self._watching_cuda_here = True
-
-        def out_of_memory(*_: object) -> None:  # inside the allocator: never wait there
-            threading.Thread(target=self.release_standby, daemon=True,
-                             args=("this process ran out of GPU memory", True)).start()
-
-        def watch_memory() -> None:
-            attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-            if attach is not None:
-                attach(out_of_memory)
-
-        def started() -> None:  # torch runs it inside its lazy CUDA start, on the user's thread
-            self.release_standby("this process started CUDA")
-            watch_memory()
-
-        try:
-            if torch.cuda.is_initialized():
-                watch_memory()
-            else:
-                torch.cuda._lazy_call(started)
-        except Exception:  # noqa: BLE001  a torch without these: the ranks' own watch remains
-            pass
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -29,7 +29,8 @@ from nblaunch.contract.variables import PRELOAD
 from nblaunch.facts.installed import new_installed_modules, top_level
 
 TRUSTED = ("torch._dynamo", "nblaunch.training")  # torch imports the first when an optimizer is built
-# The notebook's own machinery, in the kernel but no rank's business: never loaded for the ranks.
+# The notebook's own machinery, in the kernel but no rank's business: never loaded for the ranks
+# (nor learned from them: a rank forked from a kernel may import some of it as it writes output).
 _KERNEL_MACHINERY = frozenset({
     "IPython", "ipykernel", "ipykernel_launcher", "jupyter_client", "jupyter_core", "zmq", "tornado", "traitlets",
     "comm", "debugpy", "pydevd", "_pydevd_bundle", "_pydev_bundle", "_pydevd_frame_eval", "pydev_ipython",
@@ -62,17 +63,20 @@ class Ledger:
             return
         with self._lock:
             for name in names:
-                if top_level(name) not in self._refused:
+                if top_level(name) not in self._refused and not _machinery(name):
                     self._learned.setdefault(name, None)
 
     def refuse(self, package: str, why: str) -> None:
-        """Never load ``package`` ahead again in this process; say so at the next launch."""
+        """Never load ``package`` ahead again in this process; if ranks imported it (not only this
+        process), say so at the next launch."""
         with self._lock:
             if package in self._refused or package in {top_level(t) for t in TRUSTED}:
                 return
             self._refused[package] = why
-            self._learned = {n: None for n in self._learned if top_level(n) != package}
-            self._notices.append(f"could not load {package} ahead of the ranks ({why}): they import it themselves")
+            learned = {n: None for n in self._learned if top_level(n) != package}
+            if len(learned) < len(self._learned):
+                self._notices.append(f"could not load {package} ahead of the ranks ({why}): they import it themselves")
+            self._learned = learned
 
     def refused(self) -> dict[str, str]:
         with self._lock:

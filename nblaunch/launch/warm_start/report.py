@@ -50,7 +50,7 @@ class WarmStart:
     preload_setting: str
     standby_off: str | None  # why no rank waits any more in this process
     last_release: str | None  # why the last ranks on standby were let go
-
+    server_ready_s: dict[str, float | None] = dataclasses.field(default_factory=dict)  # its processes' imports
     def release(self) -> int:
         """Let every rank on standby go now (its GPU memory freed); how many there were. The
         next launch from the launch server starts them again: ``NBLAUNCH_STANDBY=0`` for never."""
@@ -72,6 +72,9 @@ class WarmStart:
             if packages:
                 more = f" (+{len(packages) - _NAMED} more)" if len(packages) > _NAMED else ""
                 lines.append(f"  loaded ahead by {where}: {', '.join(packages[:_NAMED])}{more}")
+        if self.server_ready_s:
+            lines.append("  launch server: " + ", ".join(
+                f"{name} {'importing' if s is None else f'ready in {s:.1f} s'}" for name, s in self.server_ready_s.items()))
         for package, why in self.refused.items():
             lines.append(f"  not loaded ahead: {package} ({why})")
         return "\n".join(lines)
@@ -104,18 +107,30 @@ def warm_start(wait: float | None = 0) -> WarmStart:
         facts = r.facts or {}
         waiting.append(WaitingRank(r.rank, r.device, r.worker.pid, r.since, facts.get("seconds"), facts.get("held_mib")))
     server_loaded: list[str] = []
+    ready_s: dict[str, float | None] = {}
     if server is not None:
-        for generation in server.generations():
+        trusted, full = server.generations()
+        for name, link in (("base", server.base), ("trusted generation", trusted and trusted.link),
+                           ("full generation", full and full.link)):
+            if link is not None and link.alive:
+                ready_s[name] = None if link.ready_at is None else link.ready_at - link.started_at
+        for generation in (trusted, full):
             if generation is not None and generation.link.ready:
                 server_loaded += [p for p, verdict in generation.link.verdicts.items()
-                                  if verdict == "ok" and p not in sys.stdlib_module_names]
+                                  if verdict == "ok" and _shown(p)]
     return WarmStart(
         waiting=tuple(waiting),
         server_loaded=tuple(dict.fromkeys(server_loaded)),
-        kernel_loaded=tuple(p for p in kernel_preload().loaded() if p not in sys.stdlib_module_names),
+        kernel_loaded=tuple(p for p in kernel_preload().loaded() if _shown(p)),
         refused=ledger().refused(),
         standby_setting=standby.mode(),
         preload_setting=os.environ.get(PRELOAD, "1"),
         standby_off=None if server is None else server.standby_off,
         last_release=None if server is None else server.last_release,
+        server_ready_s=ready_s,
     )
+
+
+def _shown(package: str) -> bool:
+    """A library a user would name: not the standard library's, nor a private helper's."""
+    return package not in sys.stdlib_module_names and not package.startswith("_")

@@ -20,6 +20,7 @@ import concurrent.futures
 import itertools
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -53,7 +54,8 @@ class ServerLink:
         self._ids = itertools.count()
         self.loading: tuple[str, float] | None = None  # the package a generation imports now, and since when
         self.verdicts: dict[str, str] = {}  # what came of each package it imported
-        self.ready_at: float | None = None
+        self.started_at, self.ready_at = time.monotonic(), None  # ready_at - started_at: its imports' time
+        self._paused_at: float | None = None  # stopped (SIGSTOP) since, while a launch runs alone
         threading.Thread(target=self._read, name=f"nblaunch-{name}", daemon=True).start()
 
     @property
@@ -113,6 +115,32 @@ class ServerLink:
                     pass
                 finally:
                     sock.detach()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def pause(self) -> None:
+        """Stop it (SIGSTOP) until ``resume``: it is importing while a launch wants the cores."""
+        if self._paused_at is None and self.alive:
+            self._signal(signal.SIGSTOP)
+            self._paused_at = time.monotonic()
+
+    def resume(self) -> None:
+        """Let it go on; the time it stood still does not count as its package's import time."""
+        if self._paused_at is not None:
+            self._signal(signal.SIGCONT)
+            stood = time.monotonic() - self._paused_at
+            self._paused_at = None
+            loading = self.loading
+            if loading is not None:
+                self.loading = (loading[0], loading[1] + stood)
+
+    def _signal(self, signum: int) -> None:
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
 
     def kill(self, why: str) -> None:
         """Stop it now; whoever waits on it hears ``why``."""

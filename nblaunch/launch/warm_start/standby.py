@@ -22,7 +22,10 @@ import dataclasses
 import os
 import pickle
 import select
+import sys
+import threading
 import time
+from typing import Callable
 
 from nblaunch import wire
 from nblaunch.contract.variables import STANDBY
@@ -129,6 +132,20 @@ class StandbyGroup:
             raise
         return cls(shape, source, ranks)
 
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until every rank said it is ready, or left, or ended (``timeout`` at most)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for standby in self.ranks:
+                standby.news()
+            pending = [r for r in self.ranks if r.facts is None and r.left is None and r.alive]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return
+            select.select([r.worker.ranks[0].event_fd for r in pending] + [r.worker.exit_fd for r in pending
+                                                                          if r.worker.exit_fd is not None], [], [],
+                          min(left, 1.0))
+
     def claim(self, shape: Shape) -> dict[int, WorkerProcess]:
         """Every rank that still waits, for a launch of ``shape`` (this group's): theirs now.
         A rank that left, died, or does not answer is not among them (the launch starts one)."""
@@ -193,3 +210,34 @@ class ServerChild:
         code = self._link.exit_code(self.pid, wait=True)
         assert code is not None
         return code
+
+
+def watch_cuda_here(release: Callable[..., object]) -> bool:
+    """This process's own GPU memory must never be short because ranks wait: ``release(why)``
+    them when torch starts CUDA here (before it allocates anything), and ``release(why, True)``
+    (for good) after an out-of-memory error here. (They also leave by themselves when any process,
+    this one included, allocates on their GPU: ``server/standby_rank``.) True once it watches."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+
+    def out_of_memory(*_: object) -> None:  # inside the allocator: never wait there
+        threading.Thread(target=release, args=("this process ran out of GPU memory", True), daemon=True).start()
+
+    def watch_memory() -> None:
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is not None:
+            attach(out_of_memory)
+
+    def started() -> None:  # torch runs it inside its lazy CUDA start, on the user's thread
+        release("this process started CUDA")
+        watch_memory()
+
+    try:
+        if torch.cuda.is_initialized():
+            watch_memory()
+        else:
+            torch.cuda._lazy_call(started)
+    except Exception:  # noqa: BLE001  a torch without these: the ranks' own watch remains
+        return False
+    return True
