@@ -227,12 +227,15 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     launches = {i: (lambda i=i: _carry("launch", i, cuda_first=True)) for i in impls}
     launches["nblaunch (fork, CUDA untouched)"] = lambda: _carry("launch", "nblaunch", cuda_first=False)
     notes: list[str] = []
-    tutorial_rows = tutorial.rows(DEADLINE, notes)  # issue 44's headline: first, while the lane has time
+    wanted = set(filter(None, os.environ.get("NBLAUNCH_GPU_BENCH_PARTS", "tutorial,train,failure,launch").split(",")))
+    # Issue 44's headline first, while the lane has time.
+    tutorial_rows = tutorial.rows(DEADLINE, notes) if "tutorial" in wanted else []
     parts = {
         "train": {i: (lambda i=i: _carry("train", i, warmup=warmup, steps=steps)) for i in impls},
         "failure": {i: (lambda i=i: _carry("failure", i)) for i in impls},
         "launch": launches,
     }
+    parts = {part: jobs for part, jobs in parts.items() if part in wanted}
     # Round by round across the three parts, so a lane short of time still has each part measured.
     res: dict[str, dict[str, list]] = {part: {name: [] for name in jobs} for part, jobs in parts.items()}
     for index in range(rounds):
@@ -243,9 +246,10 @@ def run(quick: bool = False, size: str | None = None) -> dict:
             for name in names:
                 res[part][name] += done[name]
             notes += [f"{part}, {name}: failed: {errors[0]}" for name, errors in done["_errors"].items()]
-    rows = tutorial_rows + _train_rows(res["train"], impls) + _failure_rows(res["failure"], impls)
+    rows = tutorial_rows + (_train_rows(res["train"], impls) if "train" in parts else [])
+    rows += _failure_rows(res["failure"], impls) if "failure" in parts else []
     for key, which in (("launch_s", "a process's first"), ("again_s", "the second")):
-        for impl in launches:
+        for impl in launches if "launch" in parts else ():
             values = [None if r is None or not r["ok"] else r[key] for r in res["launch"][impl]]
             raw = [None if r is None else r[key] for r in res["launch"]["raw"]]
             goal = "<= 1.0 s" if impl == "nblaunch" and key == "again_s" else None
@@ -253,7 +257,7 @@ def run(quick: bool = False, size: str | None = None) -> dict:
                             ratios={"vs raw spawn": pair_ratios(values, raw)} if impl != "raw" else None, goal=goal,
                             met=(bool(values) and None not in values and max(values) <= 1.0) if goal else None,
                             note=LAUNCH_NOTES.get(impl)))
-    gpus = {r["gpu"] for i in impls for r in res["train"][i] if r is not None}
+    gpus = {r["gpu"] for i in impls for r in res.get("train", {}).get(i, []) if r is not None}
     notes.append(f"GPU: {', '.join(sorted(gpus)) or '?'}; {rounds} round(s), each sample a fresh interpreter; "
                  f"training: {warmup} warm-up + {steps} timed steps, measured in the rank with CUDA synchronised")
     return {"rows": rows, "notes": notes}

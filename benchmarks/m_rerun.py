@@ -85,17 +85,21 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     rounds = 1 if quick else 3
     done = interleave(rounds, {name: (lambda name=name: _fresh(name)) for name in names})
     notes = [f"{name}: {len(errors)} failed: {errors[0]}" for name, errors in done["_errors"].items()]
-    samples = {name: [s for sample in done[name] if sample for s in sample["later_s"]] for name in names}
     rows = []
-    for name in names:
-        goal = met = ratios = None
-        if name.startswith("nblaunch"):
-            goal, met = f"<= {GOAL_S} s", bool(samples[name]) and max(samples[name]) <= GOAL_S
-            ratios = {"vs raw": pair_ratios(samples[name], samples.get("raw", []))}
-        rows.append(row(name, "a later launch of a function that imports scikit-learn and steps a small CNN with "
-                        "AdamW, 2 s after the one before", "s", samples[name], goal=goal, met=met, ratios=ratios))
-    notes.append(f"{rounds} fresh interpreter(s) per implementation, interleaved; each gives its 2nd and 3rd launch; "
-                 "'trivial launch' is nblaunch fork with a function that returns at once")
+    for which, label in ((0, "the second launch of a function that imports scikit-learn and steps a small CNN with "
+                             "AdamW, 2 s after the first"), (1, "the same, the third, 2 s after the second")):
+        samples = {name: [sample["later_s"][which] if sample and len(sample["later_s"]) > which else None
+                          for sample in done[name]] for name in names}
+        for name in names:
+            goal = met = ratios = None
+            if name.startswith("nblaunch"):
+                taken = [s for s in samples[name] if s is not None]
+                goal, met = f"<= {GOAL_S} s", bool(taken) and max(taken) <= GOAL_S
+                ratios = {"vs raw": pair_ratios(samples[name], samples.get("raw", []))}
+            rows.append(row(name, label, "s", samples[name], goal=goal, met=met, ratios=ratios))
+    notes.append(f"{rounds} fresh interpreter(s) per implementation, interleaved; 'trivial launch' is nblaunch fork "
+                 "with a function that returns at once; 'in the calling process' times the function's second run "
+                 "(its third row is empty)")
     return {"rows": rows, "notes": notes}
 
 

@@ -3,7 +3,7 @@
 # a fresh venv that reuses the machine's torch, accelerate and transformers, the Jupyter stack from
 # the wheels tools/gpu_wheels.sh put in .whl/, nblaunch itself (editable), then tests/gpu (marked
 # `gpu`), then `python -m benchmarks gpu` (steps/s, a launch after CUDA init, the failure path), and
-# a report: 7 minutes at most, 4 with --quick (one round of each measurement).
+# a report: 8 minutes at most, 4.5 with --quick (one round of each measurement).
 #
 #   bash tools/gpu_lane.sh [--quick]   from the repository root (a device run: carry .whl; see below)
 #
@@ -20,14 +20,16 @@
 #
 # Environment: GPU_LANE_PYTHON (the interpreter whose packages are reused; default: python3 where
 # /opt/torch exists, else ./.venv/bin/python, else python3), GPU_LANE_VENV (default
-# $TMPDIR/nblaunch-gpu-lane-venv, made afresh), GPU_LANE_BUDGET_S (default 420, or 240 with --quick:
-# the whole lane).
+# $TMPDIR/nblaunch-gpu-lane-venv, made afresh), GPU_LANE_BUDGET_S (default 480, or 270 with --quick:
+# the whole lane), GPU_LANE_TESTS (what pytest runs; default tests/gpu) and NBLAUNCH_GPU_BENCH_PARTS
+# (the benchmark's parts, comma-separated: tutorial, train, failure, launch; default all): to run
+# again only what failed, on a machine lent for minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 lane_quick=0
 [ "${1:-}" = "--quick" ] && lane_quick=1
-budget=${GPU_LANE_BUDGET_S:-$([ "$lane_quick" = 1 ] && echo 240 || echo 420)}
+budget=${GPU_LANE_BUDGET_S:-$([ "$lane_quick" = 1 ] && echo 270 || echo 480)}
 OUT=${OUT:-$PWD/gpu-lane-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -98,8 +100,9 @@ tests_limit=$((left - bench_share < 300 ? left - bench_share : 300))
 [ "$tests_limit" -lt 60 ] && tests_limit=60
 per_test=()  # one hung test must not take the others' time (pytest-timeout, where installed)
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 240)
-say "pytest tests/gpu -m gpu (limit ${tests_limit} s)"
-timeout -k 10 "$tests_limit" "$py" -m pytest tests/gpu -m gpu -p no:cacheprovider -rA "${per_test[@]}" \
+lane_tests=${GPU_LANE_TESTS:-tests/gpu}
+say "pytest $lane_tests -m gpu (limit ${tests_limit} s)"
+timeout -k 10 "$tests_limit" "$py" -m pytest $lane_tests -m gpu -p no:cacheprovider -rA "${per_test[@]}" \
     --junitxml="$OUT/junit.xml" -o junit_family=xunit1
 pytest_exit=$?
 [ "$pytest_exit" -eq 124 ] && say "pytest stopped at its limit of ${tests_limit} s"

@@ -82,9 +82,10 @@ def train(mixed_precision, hold_gib=0, extra=None):
                  device=str(accelerator.device), held=held is not None)
     return found
 
-def launch(*args, **options):
+def launch(mixed_precision, hold_gib=0, extra=None):
     started = time.perf_counter()
-    [result] = notebook_launcher(train, args=args, num_processes=1, display="text", timeout=300, **options)
+    [result] = notebook_launcher(train, args=(mixed_precision, hold_gib, extra), num_processes=1, display="text",
+                                 timeout=300)
     result["launch_s"] = time.perf_counter() - started
     print("LAUNCHED " + json.dumps(result), flush=True)
     return result
@@ -107,10 +108,11 @@ def waiting(wait=120):
 '''
 
 SERVER_PATH = [
-    "import torch\nprint('AVAILABLE', torch.cuda.is_available())",  # the driver starts here: spawn from now on
+    "import json, time, torch\nprint('AVAILABLE', torch.cuda.is_available())",  # the driver starts: spawn from now on
     "import nblaunch, psutil\nfrom nblaunch import notebook_launcher\n" + DRIVER_PROBE_SOURCE,
     "from nblaunch.launch.warm_start import early_start\nearly_start.wait_started(60)\n"
-    "print('CHILDREN ' + json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children()]))",
+    "print('CHILDREN ' + json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children()]))\n"
+    "print(repr(nblaunch.warm_start(wait=120)))  # its warm-up done: the first launch's ranks find it",
     TUTORIAL,
     "first = launch('fp16')",
     "before = waiting()\nused_waiting = gpu_used_mib()",
@@ -127,6 +129,9 @@ SERVER_PATH = [
     "except torch.OutOfMemoryError:\n    print('OUT_OF_MEMORY')\ndeadline = time.monotonic() + 30\n"
     "while nblaunch.warm_start().standby_off is None and time.monotonic() < deadline:\n    time.sleep(0.05)\nwaiting(wait=0)",
     "sixth = launch('bf16')\nwaiting()",
+    # A library that starts CUDA at import, which the ranks imported: the server never loads it ahead.
+    "seventh = launch('bf16', extra=STARTS_CUDA)\nwaiting()",
+    "eighth = launch('bf16')",
 ]
 
 
@@ -144,18 +149,30 @@ def said(cell, tag: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def server_path(tmp_path_factory):
-    return run_notebook(tmp_path_factory.mktemp("warm"), SERVER_PATH)
+def starts_cuda():
+    """A library installed for real (site-packages) that starts CUDA when imported."""
+    name = f"nbl_warm_cuda_{uuid.uuid4().hex[:8]}"
+    folder = os.path.join(sysconfig.get_paths()["purelib"], name)
+    os.makedirs(folder)
+    with open(os.path.join(folder, "__init__.py"), "w") as f:
+        f.write(STARTS_CUDA)
+    yield name
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server_path(tmp_path_factory, starts_cuda):
+    return run_notebook(tmp_path_factory.mktemp("warm"), [f"STARTS_CUDA = {starts_cuda!r}", *SERVER_PATH])
 
 
 def test_the_launch_server_is_up_before_the_first_launch_needs_it(server_path, record_property):
-    [children] = said(server_path[2], "CHILDREN")
+    [children] = said(server_path[3], "CHILDREN")
     record_property("kernel's children before any launch", children)
     assert any("nblaunch.server.base_process" in command for command in children), children
 
 
 def test_later_launches_claim_a_rank_waiting_with_cuda_and_the_libraries_ready(server_path, record_property):
-    [first], [before], [second] = said(server_path[4], "LAUNCHED"), said(server_path[5], "WAITING"), said(server_path[6], "LAUNCHED")
+    [first], [before], [second] = said(server_path[5], "LAUNCHED"), said(server_path[6], "WAITING"), said(server_path[7], "LAUNCHED")
     for name, run in (("first", first), ("second", second)):
         record_property(f"{name} launch", {k: round(v, 3) if isinstance(v, float) else v for k, v in run.items()})
     record_property("waiting after the first", before)
@@ -167,27 +184,27 @@ def test_later_launches_claim_a_rank_waiting_with_cuda_and_the_libraries_ready(s
 
 
 def test_a_launchs_gpu_memory_is_freed_and_mixed_precision_changes_between_launches(server_path, record_property):
-    [memory] = said(server_path[7], "MEMORY")
-    [third] = said(server_path[8], "LAUNCHED")
+    [memory] = said(server_path[8], "MEMORY")
+    [third] = said(server_path[9], "LAUNCHED")
     record_property("GPU MiB used, a rank waiting, before and after a launch that held 4 GiB", memory)
     assert memory["after"] - memory["waiting"] < 1024, memory  # the 4 GiB went with the launch
     assert third["precision"] == "no" and third["loss"] > 0
 
 
 def test_the_waiting_rank_makes_room_when_this_kernel_starts_cuda_allocates_or_runs_out(server_path, record_property):
-    [released] = said(server_path[9], "RELEASED")
+    [released] = said(server_path[10], "RELEASED")
     assert released == [], "the waiting rank was still there after the kernel started CUDA"
-    [after_fourth] = said(server_path[10], "WAITING")
+    [after_fourth] = said(server_path[11], "WAITING")
     assert after_fourth["pids"], "no rank waited again after the next launch"
-    [grown] = said(server_path[11], "WAITING")
+    [grown] = said(server_path[12], "WAITING")
     record_property("after the kernel allocated 512 MiB", grown)
     assert grown["pids"] == [] and "memory was wanted" in (grown["last_release"] or ""), grown
-    shown = everything_shown(server_path[12])
+    shown = everything_shown(server_path[13])
     assert "OUT_OF_MEMORY" in shown, shown[-2000:]
-    off = said(server_path[12], "WAITING")[-1]
+    off = said(server_path[13], "WAITING")[-1]
     assert off["off"] == "this process ran out of GPU memory" and off["pids"] == [], off
-    [sixth] = said(server_path[13], "LAUNCHED")
-    [after_sixth] = said(server_path[13], "WAITING")
+    [sixth] = said(server_path[14], "LAUNCHED")
+    [after_sixth] = said(server_path[14], "WAITING")
     assert sixth["loss"] > 0 and after_sixth["pids"] == [], after_sixth  # off for good in this kernel
 
 
@@ -203,26 +220,20 @@ FORK_PATH = [
 ]
 
 
-@pytest.fixture
-def starts_cuda():
-    name = f"nbl_warm_cuda_{uuid.uuid4().hex[:8]}"
-    folder = os.path.join(sysconfig.get_paths()["purelib"], name)
-    os.makedirs(folder)
-    with open(os.path.join(folder, "__init__.py"), "w") as f:
-        f.write(STARTS_CUDA)
-    yield name
-    shutil.rmtree(folder, ignore_errors=True)
+def test_a_library_that_starts_cuda_at_import_is_never_loaded_ahead_by_the_server(server_path, starts_cuda,
+                                                                                 record_property):
+    [seventh] = said(server_path[15], "LAUNCHED")
+    [ready] = said(server_path[15], "WAITING")
+    record_property("refused", ready["refused"])
+    assert seventh["loss"] > 0 and ready["refused"].get(starts_cuda) == "initialises CUDA", ready
+    shown = everything_shown(server_path[16])
+    assert shown.count(f"could not load {starts_cuda} ahead of the ranks (initialises CUDA)") == 1, shown[-3000:]
 
 
-def test_a_library_that_starts_cuda_at_import_is_never_loaded_ahead(starts_cuda, tmp_path, record_property):
+def test_a_library_that_starts_cuda_at_import_is_never_loaded_ahead_in_a_cuda_clean_kernel(starts_cuda, tmp_path,
+                                                                                           record_property):
     cells = run_notebook(tmp_path, [f"PACKAGE = {starts_cuda!r}", *FORK_PATH])
     [first], [kernel], [second] = said(cells[2], "FIRST"), said(cells[2], "KERNEL"), said(cells[2], "SECOND")
     record_property("fork path", kernel)
     assert first == second == [[1, 2.0]]
     assert kernel["clean"] and not kernel["loaded"] and kernel["refused"].get(starts_cuda) == "initialises CUDA", kernel
-    server = run_notebook(tmp_path, [f"PACKAGE = {starts_cuda!r}", "import torch\ntorch.cuda.is_available()", *FORK_PATH])
-    [first], [kernel], [second] = said(server[3], "FIRST"), said(server[3], "KERNEL"), said(server[3], "SECOND")
-    record_property("server path", kernel)
-    assert first == second == [[1, 2.0]]
-    assert kernel["refused"].get(starts_cuda) == "initialises CUDA", kernel
-    assert f"could not load {starts_cuda} ahead of the ranks (initialises CUDA)" in everything_shown(server[3])
