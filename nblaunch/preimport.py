@@ -1,8 +1,11 @@
-"""Importing heavy modules once in the launcher, so forked ranks inherit them.
+"""Importing modules in a process for the ranks it will fork, without changing what else runs
+in it: the variables an import writes are put back and handed to the ranks, and those it reads
+are noted (a library may keep their values from its import on).
 
 Some imports write into ``os.environ`` (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR, torch_xla
-sets XLA_FLAGS and more). Those variables are for the ranks, not the user's kernel: the kernel's
-environment is put back and the changes are returned, for the launch to hand to its ranks.
+sets XLA_FLAGS and more). Those variables are for the ranks, not the user's kernel. Only what the
+importing thread itself read and wrote counts: the kernel's other threads (a cell that sets a
+variable meanwhile) are left alone.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import functools
 import importlib
 import os
+import threading
 from typing import Iterator
 
 
@@ -23,92 +27,95 @@ def import_for_ranks(module: str) -> dict[str, str]:
 
         extra_environ = import_for_ranks("torch._dynamo")  # {"TORCHINDUCTOR_CACHE_DIR": ...}
     """
-    with environ_put_back() as changed:
+    with watched_environ() as watch:
         importlib.import_module(module)
-    return changed
+    return watch.written
 
 
 @contextlib.contextmanager
-def environ_put_back() -> Iterator[dict[str, str]]:
-    """Whatever the body writes into ``os.environ`` is undone at its end and left in the dict
-    it yields (a variable the body deleted is put back, and not in the dict).
+def watched_environ() -> Iterator["EnvironWatch"]:
+    """While the body runs, what this thread reads from and writes into ``os.environ`` is noted;
+    at its end, what it wrote is put back as it was (a variable it deleted comes back).
 
     Example::
 
-        with environ_put_back() as changed:
-            import torch._dynamo
-        changed   # {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_me"}; os.environ as before
-    """
-    before = dict(os.environ)
-    changed: dict[str, str] = {}
-    try:
-        yield changed
-    finally:
-        after = dict(os.environ)
-        changed.update({name: value for name, value in after.items() if before.get(name) != value})
-        # Only what the body touched is put back: other threads read os.environ meanwhile.
-        for name in changed:
-            if name in before:
-                os.environ[name] = before[name]
-            else:
-                del os.environ[name]
-        for name in before.keys() - after.keys():
-            os.environ[name] = before[name]
-
-
-@contextlib.contextmanager
-def environ_reads() -> Iterator[set[str]]:
-    """The names of the variables read from ``os.environ`` by Python code while the body runs
-    (by any thread: more is safe), in the set it yields; ``"*"`` if something read them all.
-    C code's ``getenv`` is not seen.
-
-    Example::
-
-        with environ_reads() as read:
-            import huggingface_hub
-        "HF_HUB_OFFLINE" in read   # True: its value is kept from the import on
+        with watched_environ() as watch:
+            import huggingface_hub.constants
+        watch.read      # {"HF_HUB_OFFLINE", "HF_HOME", ...}: its values are kept from here on
+        watch.written   # {} (what it set, for the ranks; os.environ is as before)
     """
     real = os.environ
-    recording = _RecordingEnviron(real)
-    os.environ = recording  # os.getenv reads the module's global: it records too
+    watch = EnvironWatch(real, threading.get_ident())
+    os.environ = watch  # os.getenv reads the module's global: it is watched too
     try:
-        yield recording.read
+        yield watch
     finally:
         os.environ = real
+        watch.stop()
 
 
-class _RecordingEnviron(collections.abc.MutableMapping):
-    def __init__(self, real: os._Environ) -> None:
+class EnvironWatch(collections.abc.MutableMapping):
+    """``os.environ`` as one thread sees it while watched (``watched_environ``). Other threads
+    go through it unwatched; code that kept a reference to it (``from os import environ`` in an
+    import) keeps a plain view of the real one once the watch is over."""
+
+    def __init__(self, real: os._Environ, owner: int) -> None:
         self._real = real
-        self.read: set[str] = set()
+        self._owner: int | None = owner
+        self.read: set[str] = set()  # "*": something went through them all
+        self.written: dict[str, str] = {}  # what the owner set (deleted ones are not here)
+        self._before: dict[str, str | None] = {}  # each written variable's value before its first write
+
+    def _mine(self) -> bool:
+        return self._owner is not None and threading.get_ident() == self._owner
+
+    def stop(self) -> None:
+        """Put back what the owner wrote; watch no more."""
+        for name, value in self._before.items():
+            if value is None:
+                self._real.pop(name, None)
+            else:
+                self._real[name] = value
+        self._owner = None
 
     def __getitem__(self, name: str) -> str:
-        self.read.add(name)
+        if self._mine():
+            self.read.add(name)
         return self._real[name]
 
     def get(self, name: str, default: object = None) -> object:
-        self.read.add(name)
+        if self._mine():
+            self.read.add(name)
         return self._real.get(name, default)
 
     def __contains__(self, name: object) -> bool:
-        self.read.add(str(name))
+        if self._mine():
+            self.read.add(str(name))
         return name in self._real
 
     def __setitem__(self, name: str, value: str) -> None:
+        if self._mine():
+            self._before.setdefault(name, self._real.get(name))
+            self.written[name] = value
         self._real[name] = value
 
     def __delitem__(self, name: str) -> None:
+        if self._mine():
+            self._before.setdefault(name, self._real.get(name))
+            self.written.pop(name, None)
         del self._real[name]
 
     def __iter__(self) -> Iterator[str]:
-        self.read.add("*")
+        if self._mine():
+            self.read.add("*")
         return iter(self._real)
 
     def __len__(self) -> int:
         return len(self._real)
 
     def copy(self) -> dict[str, str]:
-        self.read.add("*")
+        if self._mine():
+            self.read.add("*")
         return self._real.copy()
 
     def __getattr__(self, name: str) -> object:  # os._Environ's own (encodekey, ...)

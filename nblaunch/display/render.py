@@ -154,6 +154,8 @@ def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, l
         elapsed = ""
     else:
         elapsed = format_duration((rank.finished_t if rank.finished_t is not None else now) - rank.started_t)
+    if rank.began:
+        elapsed += f'<div class="nbl-began" style="{MUTED}">{plain_text(rank.began)}</div>'
     if running and rank.last_heard_t is not None and now - rank.last_heard_t >= QUIET_NOTE_S:
         elapsed += (f'<div class="nbl-quiet" style="color: #b45309">no output for '
                     f"{format_duration(now - rank.last_heard_t)}</div>")

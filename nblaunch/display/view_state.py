@@ -85,6 +85,7 @@ class RankView:
     stacks_why: str = "stop"  # see nblaunch.events.Stacks
     stacks_at: str = ""  # wall-clock time the stacks came, for the reader
     device: RankDevice | None = None  # what its Accelerator computes on, and in which precision
+    began: str = ""  # how it began warm (a rank that waited on standby), if it did
     gpu: GpuUsage | None = None  # its GPU a moment ago
 
     def shown_bars(self) -> list[Bar]:
@@ -150,6 +151,7 @@ class LaunchView:
         elif isinstance(event, RankStarted):
             rank = self.rank(event.rank)
             rank.state, rank.pid, rank.started_t, rank.last_heard_t = RankState.RUNNING, event.pid, now, now
+            rank.began = event.began
             self.dirty |= {RANKS, HEADER}
         elif isinstance(event, RankFinished):
             rank = self.rank(event.rank)

@@ -4,10 +4,12 @@ will import, then forks ranks that find it all loaded.
 The kernel asks the base for one when its list of modules or its environment changed
 (``launch/warm_start/launch_server``). A generation imports with the kernel's environment (a
 library reads variables at import), one package at a time (``server/loading``), telling the
-kernel which package it is on (``SERVER_LOADING``) and what came of it (``SERVER_LOADED``), and
-serves any rank asked for between two packages: a launch never waits for a package that hangs.
-A package that starts CUDA or threads poisons it: it says so and exits, and the kernel asks for
-another generation without that package. Then ``SERVER_READY``, and it serves like the base.
+kernel which package it is on (``SERVER_LOADING``) and what came of it (``SERVER_LOADED``); it
+answers a request for a rank between two packages (the kernel sends none before ``SERVER_READY``,
+but a generation never keeps one waiting longer than a package). A package that starts CUDA or a
+thread, or reads a rank's own variables (``RANK``: not set here, and the library would keep the
+wrong value), poisons it: it says so and exits, and the kernel asks for another generation
+without that package. Then ``SERVER_READY``, and it serves like the base.
 
 Example (what the base runs in the forked child)::
 
@@ -26,7 +28,7 @@ from typing import Iterator, NoReturn
 
 from nblaunch import wire
 from nblaunch.contract.variables import TORCH_WARM_POOL
-from nblaunch.server.loading import POISONED, load_package, packages_in_order
+from nblaunch.server.loading import OK, load_package, packages_in_order, reads_rank_variables
 from nblaunch.server.serving import Server
 from nblaunch.worker import lifeline
 
@@ -49,13 +51,15 @@ def run_generation(socket_fd: int, generation_id: int, environ: dict[str, str], 
 def _load_all(server: Server, names: list[str]) -> None:
     for package, modules in packages_in_order(names):
         server.poll(0)  # a rank asked for meanwhile starts now, before the next package
-        before = dict(os.environ)
         wire.write_frame(server.fd, wire.SERVER_LOADING, pickle.dumps(package))
         started = time.monotonic()
-        verdict = load_package(modules, watch_threads=True)
-        server.added.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+        verdict, environ = load_package(modules, watch_threads=True)
+        if verdict == OK:
+            verdict = reads_rank_variables(environ) or OK
+        os.environ.update(environ.written)  # for the packages after it, and the ranks
+        server.added.update(environ.written)
         wire.write_frame(server.fd, wire.SERVER_LOADED, pickle.dumps((package, verdict, time.monotonic() - started)))
-        if verdict in POISONED:
+        if verdict != OK and not verdict.startswith("raised"):
             os._exit(0)  # no rank may come from here any more: the kernel asks for another generation
 
 

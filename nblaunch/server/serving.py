@@ -4,7 +4,8 @@ reap it, report its exit; the base also forks generations (``server/generation``
 Frames of ``nblaunch.wire`` on one Unix socket per process (as Python's own ``forkserver``: a
 single thread, ``SIGCHLD`` through a wakeup pipe)::
 
-    kernel -> server  SERVER_START       (request id, environ, cwd, standby: (device, names) or None);
+    kernel -> server  SERVER_START       (request id, environ, cwd, standby: (device, names, the
+                                         rank's variables) or None);
                                          the rank's four pipe ends ride on it
                       SERVER_GENERATION  (generation id, environ, names)          base only
     server -> kernel  SERVER_STARTED     (request id, pid)   or SERVER_FAILED (request id, why)
@@ -103,7 +104,7 @@ class Server:
 
     # ------------------------------------------------------------------ ranks
     def _start_rank(self, request_id: int, environ: dict[str, str], cwd: str,
-                    standby: tuple[str, list[str]] | None) -> None:
+                    standby: tuple[str, list[str], dict[str, str]] | None) -> None:
         ends = [self._received.popleft() for _ in range(_PIPE_ENDS)]
         environ = dict(environ, **{k: v for k, v in self.added.items() if k not in environ})
         try:
@@ -168,7 +169,8 @@ class Server:
             self._generations.discard(child)
 
 
-def _become_rank(ends: list[int], environ: dict[str, str], cwd: str, standby: tuple[str, list[str]] | None) -> NoReturn:
+def _become_rank(ends: list[int], environ: dict[str, str], cwd: str,
+                 standby: tuple[str, list[str], dict[str, str]] | None) -> NoReturn:
     stdout, stderr, events, control = ends
     os.setpgid(0, 0)  # a process group of its own, as every rank
     os.dup2(stdout, 1)

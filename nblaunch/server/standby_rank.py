@@ -9,10 +9,11 @@ more than 64 MiB (another process, the kernel included, is allocating) or its fr
 under 1 GiB. On the CPU (``NBLAUNCH_STANDBY=always``) there is no device to ready or watch.
 
 Its events pipe says ``STANDBY ("ready", facts)`` once the device is ready and ``("left",
-why)`` if it leaves. A launch sends ``CLAIM`` on its control socket, and SIGUSR2, which cuts an
-import under way short (the rank imports that module itself, as any rank would); it answers
-``CLAIM``, and from then on it is an ordinary rank (``worker.bootstrap.main_spawned``) that
-never leaves on its own.
+why)`` if it leaves. A launch sends ``CLAIM`` on its control socket; the rank answers ``CLAIM``
+once the package it is importing is done (an import cut short would leave half of a library
+behind), and from then on it is an ordinary rank (``worker.bootstrap.main_spawned``) that never
+leaves on its own. It imports with the variables of the rank it will be (``RANK``, ...; a library
+may read them at import), which the launch that claims it sets alike.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import os
 import pickle
 import select
-import signal
 import threading
 import time
 
@@ -33,24 +33,12 @@ WATCH_EVERY_S = 0.05
 GROWTH_LEFT_AT = 64 << 20  # bytes others may allocate on the GPU before the rank makes room
 FREE_AT_LEAST = 1 << 30  # bytes the GPU must keep free while the rank waits
 PROCESS_NAME = "nblaunch-wait"  # not a rank's name (lifeline.PROCESS_NAME_PREFIX) until claimed
-CUT_SHORT = signal.SIGUSR2  # what a claim sends with its frame (SIGUSR1 is faulthandler's in a rank)
 
 
-class _Claimed(Exception):
-    """Raised by the claim's signal inside an import under way."""
-
-
-def wait_for_a_launch(control: int, events: int, device: str, names: list[str]) -> None:
-    """Ready ``device`` ("cpu", or a CUDA index) and import ``names`` while waiting, until a
-    launch claims this process (return), or the device's memory is wanted, the launcher is gone or
-    readying failed (exit)."""
-    importing = [False]
-
-    def cut_short(*_: object) -> None:
-        if importing[0]:
-            raise _Claimed
-
-    signal.signal(CUT_SHORT, cut_short)  # first: a claim may come at any moment from now on
+def wait_for_a_launch(control: int, events: int, device: str, names: list[str], rank_environ: dict[str, str]) -> None:
+    """Ready ``device`` ("cpu", or a CUDA index) and import ``names`` while waiting (with
+    ``rank_environ`` set), until a launch claims this process (return), or the device's memory is
+    wanted, the launcher is gone or readying failed (exit)."""
     lifeline.die_with_parent(os.getppid())
     lifeline.name_process(PROCESS_NAME)
     started = time.monotonic()
@@ -65,28 +53,15 @@ def wait_for_a_launch(control: int, events: int, device: str, names: list[str]) 
     leaving = threading.Lock()  # the watch leaves, or the claim is answered: never both
     if watch is not None:
         threading.Thread(target=_watch, args=(watch, claimed, leaving, events), daemon=True).start()
-    _import_ahead(control, names, importing)
-    select.select([control], [], [])  # the claim (its signal only interrupts, retried)
-    with leaving:
-        claimed.set()
-    # Nothing from now on, not the default (which ends the process): the claim's signal may
-    # still be on its way when the answer goes out. (A handler, unlike SIG_IGN, is not inherited
-    # by what the rank executes.)
-    signal.signal(CUT_SHORT, lambda *_: None)
-    _answer_claim(control)
-
-
-def _import_ahead(control: int, names: list[str], importing: list[bool]) -> None:
+    os.environ.update(rank_environ)
     for _, modules in packages_in_order(names):
         if select.select([control], [], [], 0)[0]:
-            return  # claimed: the rest is the rank's to import
-        importing[0] = True
-        try:
-            load_package(modules, watch_threads=False)
-        except _Claimed:
-            return
-        finally:
-            importing[0] = False
+            break  # claimed: the rest is the rank's to import
+        load_package(modules, watch_threads=False)
+    select.select([control], [], [])  # the claim
+    with leaving:
+        claimed.set()
+    _answer_claim(control)
 
 
 def _watch(watch: "_GpuWatch", claimed: threading.Event, leaving: threading.Lock, events: int) -> None:

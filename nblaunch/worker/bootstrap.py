@@ -45,9 +45,6 @@ class WorkerSettings:
     threads: int | None  # intra-op threads, or None to leave the user's choice alone
     parent_pid: int
     sys_path: list[str]
-    # Modules the parent loaded that this rank must import afresh (changed on disk, or loaded
-    # under other variables than this rank's: launch/warm_start/kernel_preload).
-    forget: tuple[str, ...] = ()
 
 
 def run_forked(
@@ -128,8 +125,6 @@ def _run_rank(guard: RankGuard, settings: WorkerSettings, function: Callable, ar
 
 def _set_up_rank(settings: WorkerSettings, event_fd: int) -> None:
     os.environ.update(settings.environ)
-    for name in settings.forget:
-        sys.modules.pop(name, None)
     if v.TORCHELASTIC_USE_AGENT_STORE in settings.environ:
         meet_at_the_launchers_store_only(settings.environ[v.MASTER_PORT])
     lifeline.set_process_name(str(settings.rank))

@@ -25,9 +25,20 @@ CLAIMED = """
         __import__(package)
         return os.getpid(), found
 
+    from nblaunch.events import RankStarted
+
+    class Rows:  # a display that keeps how each rank began (its row shows it)
+        began = {}
+        def on_event(self, event):
+            if isinstance(event, RankStarted):
+                self.began[event.rank] = event.began
+        def close(self):
+            pass
+
     launch(who, PACKAGE, n=2, method="spawn")
     waiting = [r.pid for r in nblaunch.warm_start(wait=120).waiting]
-    claimed = launch(who, PACKAGE, n=2, method="spawn")
+    rows = Rows()
+    claimed = notebook_launcher(who, args=(PACKAGE,), num_processes=2, start_method="spawn", display=rows)
     nblaunch.warm_start(wait=120)
     again = [r.pid for r in nblaunch.warm_start().waiting]
     os.kill(again[1], signal.SIGKILL)  # one dies while it waits
@@ -43,7 +54,7 @@ CLAIMED = """
     say(waiting=waiting, claimed=claimed, again=again, replaced=replaced, three=three,
         still_there=gone_after_other_shape, waiting_three=waiting_three, released=released,
         left=[r.pid for r in left.waiting], alive_after_release=[p for p in waiting_three if os.path.exists(f"/proc/{p}")],
-        shown=repr(ready))
+        shown=repr(ready), began=rows.began)
 """
 
 
@@ -60,6 +71,7 @@ def test_ranks_waiting_on_standby_are_claimed_replaced_let_go_and_released(insta
     assert len(said["waiting_three"]) == 3 and said["released"] == 3
     assert said["left"] == [] and said["alive_after_release"] == []
     assert "rank 2 waits on the CPU" in said["shown"]
+    assert all(said["began"][r].startswith("warm: waited on the CPU since ") for r in ("0", "1")), said["began"]
 
 
 def test_no_rank_waits_when_standby_is_turned_off_and_none_on_the_cpu_by_default(tmp_path):

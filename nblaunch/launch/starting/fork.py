@@ -5,7 +5,6 @@ module the parent imported: what earlier ranks imported is imported here between
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Callable, NoReturn
 
@@ -14,6 +13,7 @@ from nblaunch.launch.starting.base import Starter, rank_settings
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_processes
 from nblaunch.launch.warm_start.kernel_preload import kernel_preload
 from nblaunch.launch.warm_start.ledger import ledger
+from nblaunch.launch.warm_start.stepping_aside import launches
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.streams import std_stream_handlers
@@ -37,19 +37,19 @@ class ForkStarter(Starter):
             return {}
 
     def __init__(self) -> None:
-        self._aside = False  # the imports here wait for this launch (see warm_start/stepping_aside)
+        self._alone: bool | None = None  # this attempt runs, and whether alone (warm_start/stepping_aside)
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         request = plan.request
-        self._aside = self._aside or kernel_preload().launches.began(plan.num_processes)
-        with kernel_preload().before_fork() as (preloaded, forget):  # between two of its imports
-            each = [dataclasses.replace(s, forget=forget) for s in rank_settings(plan, dict(preloaded, **environ))]
-            return fork_ranks(each, request.function, request.args)
+        if self._alone is None:
+            self._alone = launches().began(plan)
+        with kernel_preload().before_fork() as preloaded:  # between two of its imports
+            return fork_ranks(rank_settings(plan, dict(preloaded, **environ)), request.function, request.args)
 
     def after(self, plan: LaunchPlan, imported: list[str]) -> None:
-        if self._aside:
-            self._aside = False
-            kernel_preload().launches.ended()
+        if self._alone is not None:
+            launches().ended(self._alone)
+            self._alone = None
         ledger().learn(imported)
         kernel_preload().after_launch()  # in the background: the next launch's ranks inherit it
 

@@ -27,10 +27,11 @@ from nblaunch.launch.starting.base import Starter, start_each_rank
 from nblaunch.launch.starting.packing import Payload, package
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for, kill_and_reap
 from nblaunch.launch.starting.spawn import send_payload
-from nblaunch.launch.warm_start.launch_server import launch_server
+from nblaunch.launch.warm_start.launch_server import LaunchServer, launch_server
 from nblaunch.launch.warm_start.ledger import ledger
 from nblaunch.launch.warm_start.server_link import ServerLink
 from nblaunch.launch.warm_start.standby import ServerChild, Shape
+from nblaunch.launch.warm_start.stepping_aside import launches
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
@@ -40,7 +41,8 @@ class ServerStarter(Starter):
     def __init__(self) -> None:
         self._payload: Payload | None = None
         self._shape: Shape | None = None
-        self._aside = False  # the server's warm-up steps aside for this launch (warm_start/stepping_aside)
+        self._alone: bool | None = None  # this attempt runs, and whether alone (warm_start/stepping_aside)
+        self._server: LaunchServer | None = None  # the one this attempt's ranks came from
 
     def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
         launch_server()  # started now, on the caller's thread: torch imports there meanwhile
@@ -48,10 +50,11 @@ class ServerStarter(Starter):
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         payload = self._payload = package((plan.request.function, plan.request.args))
-        server = launch_server()
+        server = self._server = launch_server()
         here, cwd = dict(os.environ), os.getcwd()  # the ranks' environment is this process's now
-        self._shape = Shape.of(plan.num_processes, plan.device_kind, here, cwd)
-        self._aside = self._aside or server.launch_began(plan.num_processes)
+        self._shape = Shape.of(plan, here, cwd)
+        if self._alone is None:
+            self._alone = launches().began(plan)
         waiting = server.claim_standby(self._shape)
         sources: list[ServerLink] = []
 
@@ -76,11 +79,11 @@ class ServerStarter(Starter):
 
     def after(self, plan: LaunchPlan, imported: list[str]) -> None:
         ledger().learn(imported)
-        if self._aside:
-            self._aside = False
-            launch_server().launch_ended()
-        if self._shape is not None:
-            launch_server().after_launch(self._shape)
+        if self._alone is not None:
+            launches().ended(self._alone)
+            self._alone = None
+        if self._shape is not None and self._server is not None and self._server.alive:
+            self._server.after_launch(self._shape)
 
 
 def _fork_there(source: ServerLink, settings: WorkerSettings, here: dict[str, str], cwd: str) -> WorkerProcess:

@@ -83,7 +83,7 @@ class Supervisor:
         # Said here, not when made: whoever waits for the ranks (a warm pool's first call) then
         # finds the launch holding this supervisor, ready to take frames for them.
         for rank in self._ranks.values():
-            self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
+            self._emit(RankStarted(rank=rank.number, pid=rank.process.pid, began=rank.process.began))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         try:
             while self._live():

@@ -6,21 +6,28 @@ next launch's ranks are forked with them loaded. Where an NVIDIA GPU is, a probe
 fork of this process imports the same packages and says what each did (``server/loading``); a
 package that starts CUDA is never imported here (every later launch of the kernel would have to
 go through the launch server). Everything else was proven by the ranks themselves: they are
-forks of this process, and they imported it to the end.
+forks of this process, and they imported it to the end. What is imported here is imported as if
+the user had: a library that starts a thread, or reads ``RANK`` at import, does here what it
+would do in a cell.
 
 A launch forks between two packages (``before_fork``): it waits for the package being imported,
-which the ranks imported to the end before (seconds), but at most 10 s; past that it forks
-anyway (a rank forked while a package was half imported forgets it and imports it itself:
+which the ranks imported before (seconds), but at most 10 s; past that it forks anyway (a rank
+forked while a package was half imported forgets it and imports it itself:
 ``worker.inherited.forget_half_imported``) and the package is refused. What the imports set in
-``os.environ`` is put back at once and handed to the ranks. A package installed anew since it was imported here
-(``pip install -U``) is dropped from ``sys.modules`` before the next fork: the ranks import the
-new one.
+``os.environ`` is put back at once (only what this thread set: a cell's own changes meanwhile
+stay) and handed to the ranks.
+
+What was imported here is never taken back from this process (the user may use it), and a
+module cannot be imported twice in one process (numpy's, torch's). So where a package brought in
+here is stale, because it was installed anew since (``pip install -U``) or its import read a
+variable of ``os.environ`` that has changed since, the next launch is not forked
+(``stale_packages``: the planner starts it from the launch server instead, saying why).
 
 Example::
 
     kernel_preload().after_launch()          # a fork launch ended: import what its ranks did
-    with kernel_preload().before_fork() as (environ, forget):
-        ...fork the next launch's ranks...   # environ: for the ranks; forget: modules they re-import
+    with kernel_preload().before_fork() as environ:
+        ...fork the next launch's ranks...   # environ: what the imports set, for the ranks
 """
 
 from __future__ import annotations
@@ -37,13 +44,11 @@ from typing import Iterator
 
 from nblaunch import wire
 from nblaunch.facts.cuda import cuda_initialized
-from nblaunch.facts.installed import top_level
 from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.forking_thread import run_on_forking_thread
 from nblaunch.launch.warm_start.ledger import Stamp, changed, enabled, ledger, stamps
-from nblaunch.launch.warm_start.stepping_aside import Launches
-from nblaunch.preimport import environ_put_back, environ_reads
+from nblaunch.launch.warm_start.stepping_aside import Paused, launches
 from nblaunch.server.loading import OK, load_package, packages_in_order
 from nblaunch.worker import lifeline
 from nblaunch.worker.inherited import forget_half_imported
@@ -57,13 +62,14 @@ class KernelPreload:
 
     def __init__(self) -> None:
         self._importing = threading.Lock()  # held while a package imports; a launch's forks take it too
+        self._records = threading.Lock()  # what was imported: never held across an import (it may hang)
         self._current: str | None = None  # the package being imported
         self._thread: threading.Thread | None = None
         self._environ: dict[str, str] = {}  # what the imports set, for the ranks
-        # package -> (the variables its import read, "*" for all; os.environ then)
-        self._loaded: dict[str, tuple[frozenset[str], dict[str, str]]] = {}
+        # The packages brought in here: what their import read ("*": all), and os.environ then.
+        self._brought: dict[str, tuple[frozenset[str], dict[str, str]]] = {}
+        self._loaded: list[str] = []  # every package imported here for the ranks, in order
         self._stamps: dict[str, Stamp | None] = {}
-        self.launches = Launches()  # the imports wait for a launch that runs alone (stepping_aside)
 
     def after_launch(self) -> None:
         """Import, in the background, what the ranks imported that this process has not."""
@@ -75,14 +81,16 @@ class KernelPreload:
             self._thread.start()
 
     @contextlib.contextmanager
-    def before_fork(self) -> Iterator[tuple[dict[str, str], tuple[str, ...]]]:
+    def before_fork(self) -> Iterator[dict[str, str]]:
         """Around the forks of a launch's ranks: no import here meanwhile (see the module).
-        Yields the variables the imports set, for the ranks, and the modules they must forget."""
+        Yields the variables the imports set, for the ranks."""
         held = self._importing.acquire(timeout=WAIT_FOR_A_PACKAGE_S)
         if not held and self._current is not None:
             ledger().refuse(self._current, f"its import here had not finished after {WAIT_FOR_A_PACKAGE_S:g} s")
         try:
-            yield dict(self._environ), self._stale_modules()
+            with self._records:
+                environ = dict(self._environ)
+            yield environ
         finally:
             if held:
                 self._importing.release()
@@ -96,16 +104,21 @@ class KernelPreload:
 
     def loaded(self) -> list[str]:
         """The packages imported here for the ranks, in order."""
-        return list(self._loaded)
+        with self._records:
+            return list(self._loaded)
 
-    def _stale_modules(self) -> tuple[str, ...]:
-        """Every module of the packages imported here that a fresh import would not give now."""
+    def stale_packages(self) -> dict[str, str]:
+        """Packages brought in here that a fresh import would not give now, and why."""
         environ = dict(os.environ)
-        stale = set(changed({p: self._stamps[p] for p in self._loaded if p in self._stamps}))
-        for package, (read, then) in self._loaded.items():
-            if any(environ.get(name) != then.get(name) for name in (then.keys() | environ.keys() if "*" in read else read)):
-                stale.add(package)
-        return tuple(name for name in list(sys.modules) if top_level(name) in stale) if stale else ()
+        with self._records:
+            stale = {p: "was installed anew" for p in changed({p: self._stamps[p] for p in self._brought
+                                                               if p in self._stamps})}
+            for package, (read, then) in self._brought.items():
+                names = then.keys() | environ.keys() if "*" in read else read
+                moved = sorted(n for n in names if environ.get(n) != then.get(n))
+                if moved and package not in stale:
+                    stale[package] = f"read {moved[0]} at import, which has changed"
+        return stale
 
     def _load(self, names: list[str]) -> None:
         packages = packages_in_order(names)
@@ -116,20 +129,23 @@ class KernelPreload:
                     ledger().refuse(package, verdict)
             packages = [(p, modules) for p, modules in packages if verdicts.get(p) == OK]
         for package, modules in packages:
-            self.launches.wait_turn()
+            launches().wait_turn()
             if cuda_initialized():
                 return  # the user started CUDA meanwhile: forks are over in this process
             with self._importing:
-                self._current, before = package, dict(os.environ)
-                with environ_put_back() as environ, environ_reads() as read:
-                    verdict = load_package(modules, watch_threads=False)
+                self._current, new, then = package, package not in sys.modules, dict(os.environ)
+                verdict, environ = load_package(modules, watch_threads=False)
                 self._current = None
-            if verdict != OK:
-                ledger().refuse(package, verdict)
-                continue
-            self._environ.update(environ)
-            self._loaded[package] = (frozenset(read), before)
-            self._stamps.update(stamps([package]))
+                if verdict != OK:
+                    ledger().refuse(package, verdict)
+                    continue
+                found = stamps([package]) if new else {}
+                with self._records:  # before the next fork: it takes _importing
+                    self._environ.update(environ.written)
+                    self._loaded.append(package)
+                    if new:  # a package of the user's (or torch's) own is theirs: as if they imported it
+                        self._brought[package] = (frozenset(environ.read), then)
+                        self._stamps.update(found)
 
 
 def probe(packages: list[tuple[str, list[str]]]) -> dict[str, str]:
@@ -154,16 +170,17 @@ def probe(packages: list[tuple[str, list[str]]]) -> dict[str, str]:
     verdicts: dict[str, str] = {}
     reader = wire.FrameReader()
     try:
-        while len(verdicts) < len(packages):
-            ready, _, _ = select.select([read_end], [], [], PROBE_PACKAGE_S)
-            chunk = os.read(read_end, 1 << 16) if ready else b""
-            if not chunk:
-                if not ready:  # the package it was on never finished
-                    verdicts[packages[len(verdicts)][0]] = f"its import did not finish within {PROBE_PACKAGE_S:g} s"
-                break
-            for _, body in reader.feed(chunk):
-                package, verdict = pickle.loads(body)
-                verdicts[package] = verdict
+        with launches().pausing(Paused(pid)):  # stopped while a launch runs alone (stepping_aside)
+            while len(verdicts) < len(packages):
+                ready, _, _ = select.select([read_end], [], [], PROBE_PACKAGE_S)
+                chunk = os.read(read_end, 1 << 16) if ready else b""
+                if not chunk:
+                    if not ready and not launches().alone:  # the package it was on never finished
+                        verdicts[packages[len(verdicts)][0]] = f"its import did not finish within {PROBE_PACKAGE_S:g} s"
+                    break
+                for _, body in reader.feed(chunk):
+                    package, verdict = pickle.loads(body)
+                    verdicts[package] = verdict
     finally:
         fdtable.close([read_end])
         _kill(pid)
@@ -178,7 +195,7 @@ def _probe_child(write_end: int, packages: list[tuple[str, list[str]]]) -> None:
     devnull = open(os.devnull, "w")  # the kernel's streams write through threads a fork does not have
     sys.stdout = sys.stderr = devnull
     for package, modules in packages:
-        verdict = load_package(modules, watch_threads=False)
+        verdict, _ = load_package(modules, watch_threads=False)
         wire.write_frame(write_end, wire.SERVER_LOADED, pickle.dumps((package, verdict)))
 
 

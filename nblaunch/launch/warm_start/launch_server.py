@@ -47,7 +47,7 @@ from nblaunch.launch.starting.spawn import PACKAGE_ROOT
 from nblaunch.launch.warm_start import standby
 from nblaunch.launch.warm_start.ledger import TRUSTED, Stamp, changed, enabled, ledger, stamps
 from nblaunch.launch.warm_start.server_link import ServerLink
-from nblaunch.launch.warm_start.stepping_aside import Launches
+from nblaunch.launch.warm_start.stepping_aside import launches
 from nblaunch.facts.installed import top_level
 from nblaunch.server.loading import OK
 
@@ -86,7 +86,6 @@ class LaunchServer:
         self.last_release: str | None = None  # why the last ranks on standby were let go
         self._warming = self._warm_again = False
         self._watching_cuda_here = False
-        self._launches = Launches()
         self._base = self._start_base()
 
     # ------------------------------------------------------------------ the base
@@ -124,10 +123,10 @@ class LaunchServer:
         if kind == wire.SERVER_GENERATION_STARTED:
             generation_id, pid, fd = news
             born = self._born.pop(generation_id, None)
-            if born is not None:
-                born.set_result((pid, fd))
-            else:
-                fdtable.close([fd])
+            if born is None or not born.set_running_or_notify_cancel():  # its asker gave up
+                fdtable.close([fd])  # the generation sees EOF and goes
+                return
+            born.set_result((pid, fd))
         elif kind == wire.SERVER_LOADED and link is not self._base:
             package, verdict, _ = news
             if verdict != OK:
@@ -143,7 +142,8 @@ class LaunchServer:
         with self._lock:
             full, trusted = self._full, self._trusted
         for generation in (full, trusted):
-            if generation is not None and generation.link.ready and generation.fits(environ):
+            if (generation is not None and generation.link.ready and not generation.link.paused
+                    and generation.fits(environ)):
                 return generation.link
         return self._base
 
@@ -154,31 +154,13 @@ class LaunchServer:
             group, self._standby = self._standby, None
         if group is None:
             return {}
-        why = group.shape.differs(shape)
+        why = group.shape.differs(shape) or (
+            f"{', '.join(changed(group.stamps))} was installed anew" if changed(group.stamps) else None)
         if why is None:
-            return group.claim(shape)
+            return group.claim()
         self.last_release = why
         group.release()
         return {}
-
-    def launch_began(self, num_processes: int) -> bool:
-        """A launch of ``num_processes`` ranks starts: if it runs alone (``stepping_aside``), the
-        generations still importing stop until ``launch_ended``. True if they do."""
-        if not self._launches.began(num_processes):
-            return False
-        with self._lock:
-            for generation in (self._trusted, self._full):
-                if generation is not None and generation.link.alive and not generation.link.ready:
-                    generation.link.pause()
-        return True
-
-    def launch_ended(self) -> None:
-        self._launches.ended()
-        if not self._launches.alone:
-            with self._lock:
-                for generation in (self._trusted, self._full, *self._retiring):
-                    if generation is not None:
-                        generation.link.resume()
 
     def after_launch(self, shape: standby.Shape) -> None:
         """A launch from this server ended: warm up for the next one (in the background)."""
@@ -247,14 +229,17 @@ class LaunchServer:
             return
         with self._lock:
             trusted = self._trusted if self._trusted is not None and self._trusted.fits(environ) else None
-        self._launches.wait_turn()  # a generation made now would be stopped at once
+        launches().wait_turn()  # a generation made now would be stopped at once
         if trusted is None:
             trusted = self._ask(self._base, environ, list(TRUSTED))
             with self._lock:
                 self._replace("_trusted", trusted)
                 self._replace("_full", None)  # forked from the trusted generation it replaces
-        if trusted is None or not trusted.link.wait_ready(TRUSTED_WAIT_S):
+        if trusted is None:
             return
+        with launches().pausing(trusted.link):  # stopped while a launch runs alone (stepping_aside)
+            if not trusted.link.wait_ready(TRUSTED_WAIT_S):
+                return
         # Ranks on standby first (they ready their GPU, then import what ranks imported while
         # they wait): the next launch may come in seconds. Then the full generation, for ranks
         # started afresh.
@@ -285,6 +270,10 @@ class LaunchServer:
         """Wait until ``generation`` is ready; False if it died (a package poisoned it: refused
         by ``_on_frame``) or hung on a package (refused here, and the generation stopped)."""
         link = generation.link
+        with launches().pausing(link):  # stopped while a launch runs alone (stepping_aside)
+            return self._wait_ready(link)
+
+    def _wait_ready(self, link: ServerLink) -> bool:
         while not link.wait_ready(1.0):
             if not link.alive:
                 return False
@@ -305,6 +294,8 @@ class LaunchServer:
             pid, fd = born.result(timeout=30)
         except Exception:  # noqa: BLE001  no generation: launches come from where they did
             self._born.pop(generation_id, None)
+            if not born.cancel() and born.done() and born.exception() is None:  # it came just now
+                fdtable.close([born.result()[1]])
             return None
         link = ServerLink(fd, pid, f"generation {generation_id}", stop=lambda: _kill(pid), on_frame=self._on_frame)
         packages = {top_level(n) for n in names}
@@ -331,7 +322,8 @@ class LaunchServer:
     def _standby_for(self, environ: dict[str, str], source: Generation) -> None:
         with self._lock:
             shape, current = self._standby_shape, self._standby
-            if shape is None or self.standby_off is not None or dict(shape.environ) != environ:
+            if (shape is None or self.standby_off is not None or dict(shape.environ) != environ
+                    or launches().under_way):  # its GPUs are the running launch's: the next warm-up
                 return
             if current is not None and current.shape == shape and current.source is source.link and current.live():
                 return
@@ -339,15 +331,18 @@ class LaunchServer:
         if current is not None:
             current.release()
         if shape.device_kind == "cuda" and not self._watching_cuda_here:
-            self._watching_cuda_here = standby.watch_cuda_here(self.release_standby)
+            self._watching_cuda_here = standby.watch_cuda_here(self.release_standby, os.getpid())
         ahead = [n for n in ledger().learned() if n not in source.names] if enabled() else []
-        made = standby.StandbyGroup.start(shape, source.link, ahead)
-        made.wait_ready(standby.CLAIM_WAIT_S)  # "waiting" means ready (warm_start(wait=...) says so)
-        with self._lock:
-            if self._standby is None and self._standby_shape == shape:
+        found = dict(source.stamps, **stamps({top_level(n) for n in ahead}))
+        made = standby.StandbyGroup.start(shape, source.link, ahead, found)
+        with self._lock:  # published at once: a launch may claim it while it readies
+            published = self._standby is None and self._standby_shape == shape and not launches().under_way
+            if published:
                 self._standby = made
-                return
-        made.release()  # a launch or a release came meanwhile
+        if not published:
+            made.release()  # a launch or a release came meanwhile
+            return
+        made.wait_ready(standby.CLAIM_WAIT_S)  # "waiting" means ready (warm_start(wait=...) says so)
 
 
 def _stop(process: subprocess.Popen) -> None:

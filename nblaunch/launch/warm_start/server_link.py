@@ -68,19 +68,20 @@ class ServerLink:
 
     @property
     def live_ranks(self) -> int:
+        """Its ranks that run, and those asked for that it has not answered yet."""
         with self._changed:
-            return len(self._ranks)
+            return len(self._ranks) + len(self._started)
 
     def wait_ready(self, timeout: float | None) -> bool:
         """True once it is ready; False if it died first, or ``timeout`` passed."""
         return self._ready.wait(timeout) and not self._dead
 
     def start_rank(self, pipes: Pipes, environ: dict[str, str], cwd: str,
-                   standby: tuple[str, list[str]] | None = None) -> int:
+                   standby: tuple[str, list[str], dict[str, str]] | None = None) -> int:
         """A process forked there on the rank ends of ``pipes``, in ``environ`` and ``cwd``;
-        with ``standby`` (a device, "cpu" or a GPU's index, and modules to import while it
-        waits), on standby (``server/standby_rank``). Its pid; raises RuntimeError if it cannot
-        (it died, or failed)."""
+        with ``standby`` (a device, "cpu" or a GPU's index; modules to import while it waits; the
+        rank's own variables for those imports), on standby (``server/standby_rank``). Its pid;
+        raises RuntimeError if it cannot (it died, or failed)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         request_id = next(self._ids)
         with self._changed:
@@ -106,6 +107,7 @@ class ServerLink:
 
     def close(self) -> None:
         """Let it go: it sees EOF and exits (its ranks, if any, with it); so does the reader."""
+        self.resume()  # a stopped process would not see the EOF
         with self._send_lock:
             if not self._dead:
                 sock = socket.socket(fileno=self.fd)
@@ -121,8 +123,9 @@ class ServerLink:
         return self._paused_at is not None
 
     def pause(self) -> None:
-        """Stop it (SIGSTOP) until ``resume``: it is importing while a launch wants the cores."""
-        if self._paused_at is None and self.alive:
+        """Stop it (SIGSTOP) until ``resume``: it is importing while a launch wants the cores.
+        A process that is ready is idle: it is not stopped (a launch may want a rank of it)."""
+        if self._paused_at is None and self.alive and not self._ready.is_set():
             self._signal(signal.SIGSTOP)
             self._paused_at = time.monotonic()
 
@@ -137,6 +140,8 @@ class ServerLink:
                 self.loading = (loading[0], loading[1] + stood)
 
     def _signal(self, signum: int) -> None:
+        if not self.alive:
+            return  # its pid may be another process's by now
         try:
             os.kill(self.pid, signum)
         except ProcessLookupError:
@@ -181,6 +186,7 @@ class ServerLink:
             self.ready_at = time.monotonic()
             self.loading = None
             self._ready.set()
+            self.resume()  # stopped just as it got ready: idle now, and a launch may ask it
         elif kind == wire.SERVER_LOADING:
             self.loading = news = (pickle.loads(body), time.monotonic())
         elif kind == wire.SERVER_LOADED:
