@@ -1,9 +1,11 @@
 """12. Re-running a cell (issue 44): a later launch of a training function that imports
 scikit-learn inside and builds a small CNN and AdamW, 2 s after the launch before it.
 
-Each sample is a fresh interpreter (a kernel): it imports torch and the launcher, launches the
-function once (not timed), then twice more 2 s apart (as a person re-runs a cell), timing each
-from the call to its return. nblaunch forks its ranks from the kernel (``fork``) or takes them
+Each sample is a fresh Jupyter kernel (nbclient): its first cell imports torch and the launcher,
+the next launches the function once (not timed), then it is launched twice more, each in a cell
+of its own run 2 s after the one before ended (the kernel idle meanwhile, as when a person
+re-runs a cell). A cell is timed as its user waits for it: from the kernel taking it up to its
+reply (the kernel's own timestamps), so whatever a cell waits for before its code runs counts. nblaunch forks its ranks from the kernel (``fork``) or takes them
 from its launch server (``server``: ``start_method="spawn"``, the path of a kernel that started
 CUDA); raw torch (``torch.multiprocessing``, fork) and Accelerate's ``notebook_launcher`` start
 plain ranks each time. For scale: a trivial launch (a function that returns at once), and the
@@ -12,13 +14,12 @@ same function's second run in the calling process.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 from benchmarks.common import have_accelerate, interleave, pair_ratios, row
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GAP_S = 2.0
 GOAL_S = 0.25
@@ -47,37 +48,44 @@ def returns_at_once() -> int:
     return 0
 
 
-def _carrier(name: str) -> dict:
-    """In a fresh interpreter: one launch, then two more 2 s apart, timed."""
-    import torch  # noqa: F401  the notebook has torch
-
-    from benchmarks.workloads import run_launch
-
-    if name == "in the calling process":
-        small_cnn_step()
-        time.sleep(GAP_S)
-        return {"later_s": [small_cnn_step()]}
+def _cells(name: str) -> list[str]:
+    """The kernel's cells for ``name``: a setup, a first launch, then two timed ones 2 s apart."""
     impl, method = IMPLS.get(name, ("nblaunch", None))
-    function = returns_at_once if name == "trivial launch" else small_cnn_step
-    options = {"start_method": method} if method else {}
-    run_launch(impl, function, **options)
-    later = []
-    for _ in range(2):
-        time.sleep(GAP_S)
-        started = time.perf_counter()
-        run_launch(impl, function, **options)
-        later.append(time.perf_counter() - started)
-    return {"later_s": later}
+    options = f", start_method={method!r}" if method else ""
+    function = "returns_at_once" if name == "trivial launch" else "small_cnn_step"
+    setup = (f"import sys, time, json\nsys.path.insert(0, {ROOT!r})\nimport torch\n"
+             f"from benchmarks.m_rerun import small_cnn_step, returns_at_once\n"
+             f"from benchmarks.workloads import run_launch\n" + ("import nblaunch\n" if impl == "nblaunch" else ""))
+    if name == "in the calling process":
+        launch = "small_cnn_step()"
+    else:
+        launch = f"run_launch({impl!r}, {function}{options})"
+    return [setup, launch, launch, launch]
 
 
 def _fresh(name: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "benchmarks.m_rerun", name], capture_output=True, text=True,
-                          timeout=300, cwd=root)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-600:]}")
-    return json.loads(lines[-1])
+    import datetime
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    def pause(cell, cell_index, **_):  # the kernel is idle meanwhile, as between a person's cells
+        if cell_index >= 1:
+            time.sleep(GAP_S)
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in _cells(name)])
+    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True, on_cell_executed=pause,
+                   resources={"metadata": {"path": ROOT}}).execute()
+    errors = [f"{o.ename}: {o.evalue}" for cell in notebook.cells for o in cell.outputs if o.output_type == "error"]
+    if errors:
+        raise RuntimeError(f"{name}: {errors[0]}")
+    later = []
+    for cell in notebook.cells[2:]:
+        execution = cell.metadata["execution"]
+        began, replied = (datetime.datetime.fromisoformat(execution[key].replace("Z", "+00:00"))
+                          for key in ("iopub.execute_input", "shell.execute_reply"))
+        later.append((replied - began).total_seconds())
+    return {"later_s": later}
 
 
 def run(quick: bool = False, size: str | None = None) -> dict:
@@ -99,11 +107,5 @@ def run(quick: bool = False, size: str | None = None) -> dict:
             rows.append(row(name, label, "s", samples[name], goal=goal, met=met, ratios=ratios))
     notes.append(f"{rounds} fresh interpreter(s) per implementation, interleaved; 'trivial launch' is nblaunch fork "
                  "with a function that returns at once; 'in the calling process' times the function's second run "
-                 "(its third row is empty)")
+                 "(a call, not a launch); every sample in a Jupyter kernel of its own")
     return {"rows": rows, "notes": notes}
-
-
-if __name__ == "__main__" and len(sys.argv) == 2:
-    from benchmarks.m_rerun import _carrier as carrier  # the module's own copy: ranks find it by name
-
-    print(json.dumps(carrier(sys.argv[1])), flush=True)

@@ -8,14 +8,15 @@ little, and some of it changes the process that imports it (``readline`` takes o
 
 Example::
 
-    before = set(sys.modules)
+    before = len(sys.modules)
     import sklearn.datasets
-    new_installed_modules(before)   # ['sklearn', 'sklearn.base', ..., 'sklearn.datasets']
+    installed_modules(loaded_since(before))   # ['sklearn', 'sklearn.base', ..., 'sklearn.datasets']
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import site
 import sys
@@ -70,14 +71,21 @@ def is_installed_package(name: str) -> bool:
     return place + os.sep in library_folders()
 
 
-def new_installed_modules(before: Iterable[str] | set[str]) -> list[str]:
-    """The installed modules loaded since ``before`` (names in ``sys.modules`` then), in the
-    order they were loaded, each importable by its name."""
-    before = before if isinstance(before, (set, frozenset, dict)) else set(before)
+def loaded_since(count: int) -> list[str]:
+    """The names of the modules loaded since ``sys.modules`` held ``count`` of them, in order.
+    Only those are read: a forked rank that went through every module would write to (and so
+    copy) the pages of every module object of its parent, milliseconds of its exit."""
+    new = len(sys.modules) - count
+    return list(itertools.islice(reversed(sys.modules), max(new, 0)))[::-1]
+
+
+def installed_modules(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that are loaded installed modules, each importable by its name, in order."""
     verdicts: dict[str, bool] = {}
     found = []
-    for name, module in list(sys.modules.items()):
-        if name in before or name in _NEVER or module is None:
+    for name in names:
+        module = sys.modules.get(name)
+        if name in _NEVER or module is None:
             continue
         spec = _namespace(module).get("__spec__")
         if getattr(spec, "name", None) != name:  # an alias (six.moves, ...): not importable as such

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 from nblaunch import proctree, wire
-from nblaunch.facts.installed import new_installed_modules
+from nblaunch.facts.installed import installed_modules, loaded_since
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
 from nblaunch.worker import calls, channel, lifeline, payload
@@ -164,16 +164,16 @@ def serve(function: Callable, args: tuple, control: ControlSocket, event_fd: int
     libraries it imported (``wire.IMPORTED``: the next launch's ranks find them loaded); returns
     an exit code. The channel must already point at ``event_fd`` for the calling thread.
     """
-    before = set(sys.modules)
+    before = len(sys.modules)
     try:
         return _run_function(function, args, control, event_fd)
     finally:
         _tell_imported(before)
 
 
-def _tell_imported(before: set[str]) -> None:
+def _tell_imported(before: int) -> None:
     try:
-        imported = new_installed_modules(before)
+        imported = installed_modules(loaded_since(before))
         if imported:
             channel.send(wire.IMPORTED, pickle.dumps(imported))
     except Exception:  # noqa: BLE001  only an optimisation of the next launch: never this rank's exit

@@ -30,7 +30,9 @@ LEARNS = """
         return found, os.getppid()
 
     first, _ = launch(train, PACKAGE, n=2, method=METHOD)[0]
+    #%%
     ready = nblaunch.warm_start(wait=120)
+    #%%
     second, parent = launch(train, PACKAGE, n=2, method=METHOD)[0]
     say(first=first, second=second, here="mine" in sys.modules, kernel=PACKAGE in sys.modules,
         server=list(ready.server_loaded), kernel_loaded=list(ready.kernel_loaded), parent=parent, me=os.getpid())
@@ -58,10 +60,14 @@ ANEW = """
 
     KERNEL = os.getpid()
     first = launch(version, PACKAGE, method=METHOD)
+    #%%
     nblaunch.warm_start(wait=120)
     install_anew()
+    #%%
     second = launch(version, PACKAGE, method=METHOD)
+    #%%
     nblaunch.warm_start(wait=120)
+    #%%
     third = launch(version, PACKAGE, method=METHOD)
     say(versions=first + second + third)
 """
@@ -86,9 +92,12 @@ ENVIRONMENT = """
     KERNEL = os.getpid()
     os.environ["NBL_WARM_VALUE"] = "before"
     first = launch(value, PACKAGE, method=METHOD)
+    #%%
     nblaunch.warm_start(wait=120)
     os.environ["NBL_WARM_UNRELATED"] = "changed"  # no library read it: what was loaded ahead stays
+    #%%
     kept = launch(value, PACKAGE, method=METHOD)
+    #%%
     os.environ["NBL_WARM_VALUE"] = "after"
     second = launch(value, PACKAGE, method=METHOD)
     say(values=first + kept + second)
@@ -110,8 +119,11 @@ BAD_DAY = """
         return __import__(package).VALUE
 
     first = launch(use, PACKAGE, method=METHOD)
+    #%%
     ready = nblaunch.warm_start(wait=120)
+    #%%
     second = launch(use, PACKAGE, method=METHOD)
+    #%%
     print("---", file=sys.stderr, flush=True)
     third = launch(use, PACKAGE, method=METHOD)
     say(values=first + second + third, refused=ready.refused, kernel=PACKAGE in sys.modules)
@@ -137,7 +149,7 @@ def test_a_library_that_cannot_be_loaded_ahead_costs_the_next_launch_its_own_imp
     assert package in said["refused"], said
     line = f"nblaunch: could not load {package} ahead of the ranks"
     before, after = stderr.split("---")
-    assert before.count(line) == 1 and line not in after  # said once, at the launch after
+    assert before.count(line) == 1 and line not in after, stderr  # said once, at the launch after
     assert ("raised RuntimeError: only in a rank" if how == "raises" else "starts threads") in before
 
 
@@ -149,10 +161,11 @@ HANGS = """
         return __import__(package).VALUE
 
     first = launch(use, PACKAGE, method=METHOD)
-    if METHOD is None:
-        time.sleep(0.5)  # the import here has begun (and never ends): the next fork waits its 3 s
+    #%%
+    # Between the cells the import here began (and never ends): this cell waited its 3 s first.
     second = launch(use, PACKAGE, method=METHOD)
-    ready = nblaunch.warm_start(wait=120 if METHOD else 5)  # here the import goes on for ever
+    ready = nblaunch.warm_start(wait=120 if METHOD else 5)
+    #%%
     third = launch(use, PACKAGE, method=METHOD)
     say(values=first + second + third, refused=ready.refused)
 """
@@ -174,10 +187,14 @@ GONE = """
             return "gone"
 
     first = launch(use, PACKAGE, method=METHOD)
+    #%%
     nblaunch.warm_start(wait=120)
     remove()
+    #%%
     second = launch(use, PACKAGE, method=METHOD)
+    #%%
     ready = nblaunch.warm_start(wait=120)
+    #%%
     third = launch(use, PACKAGE, method=METHOD)
     say(values=first + second + third, refused=ready.refused)
 """
@@ -189,3 +206,26 @@ def test_a_library_removed_from_disk_between_launches_is_gone_from_the_next_rank
     [said], _ = run(GONE, setup=f"PACKAGE, METHOD = {package!r}, 'spawn'\n" + remove, cwd=str(tmp_path))
     assert said["values"] == [1, "gone", "gone"]
     assert "ModuleNotFoundError" in said["refused"].get(package, "")
+
+
+COLLIDING = """
+    def use(package):
+        return __import__(package).VALUE
+
+    first = launch(use, PACKAGE)
+    #%%
+    # The kernel began to import PACKAGE between the cells (a slow import, with a circle in it):
+    # this cell waits for it, or its own import would meet a half-initialised module.
+    __import__(PACKAGE + ".sub")
+    import importlib
+    say(value=importlib.import_module(PACKAGE).VALUE, first=first)
+"""
+
+
+def test_a_cell_that_imports_what_the_kernel_imports_ahead_gets_it_whole(installed, tmp_path):
+    package = installed.package("import os, time\nif 'RANK' not in os.environ: time.sleep(2)\n"
+                                "from . import sub\nVALUE = sub.VALUE\n")
+    with open(f"{installed.site}/{package}/sub.py", "w") as sub:
+        sub.write(f"import {package}\nVALUE = 7\n")
+    [said], _ = run(COLLIDING, setup=f"PACKAGE = {package!r}", cwd=str(tmp_path))
+    assert said == {"value": 7, "first": [7]}

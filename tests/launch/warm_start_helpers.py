@@ -1,6 +1,7 @@
 """For the warm-start tests: packages really installed (in this interpreter's site-packages,
-where the ranks' imports come from), and scripts run in fresh interpreters (a kernel's warm
-start is kept per process: each scenario starts from none)."""
+where the ranks' imports come from), and scenarios run in a fresh Jupyter kernel each (a
+kernel's warm start is kept per process, and this process imports ahead only between cells:
+``#%%`` in a scenario starts a new cell)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import sysconfig
 import textwrap
 import uuid
@@ -61,12 +60,30 @@ class Installed:
 
 
 def run(script: str, cwd: str, setup: str = "", timeout: float = 300, **environ: str) -> tuple[list[dict], str]:
-    """Run HEADER, ``setup`` and ``script`` in a fresh interpreter; every ``say(...)`` it
-    printed, and its stderr."""
-    env = dict(os.environ, **environ)
-    code = HEADER + textwrap.dedent(setup) + "\n" + textwrap.dedent(script)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=env)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    said = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    return said, done.stderr
+    """Run HEADER, ``setup`` and ``script`` (cells split at ``#%%``) in a fresh kernel; every
+    ``say(...)`` it printed, and everything else it printed (stderr and stdout, in order)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    sources = [HEADER + textwrap.dedent(setup)] + [textwrap.dedent(c) for c in textwrap.dedent(script).split("#%%")]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in sources if c.strip()])
+    saved = {name: os.environ.get(name) for name in environ}
+    os.environ.update(environ)  # the kernel's environment is this process's
+    try:
+        NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
+                       resources={"metadata": {"path": cwd}}).execute()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    shown = []
+    for cell in notebook.cells:
+        for output in cell.outputs:
+            if output.output_type == "error":
+                raise AssertionError(f"a cell failed: {output.ename}: {output.evalue}\n" + "\n".join(output.traceback))
+            shown.append(output.get("text", ""))
+    text = "".join(shown)
+    said = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
+    return said, text

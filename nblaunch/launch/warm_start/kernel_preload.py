@@ -1,8 +1,10 @@
-"""Forked ranks inherit what earlier ranks imported: this process imports it between launches.
+"""Forked ranks inherit what earlier ranks imported: the kernel imports it between its cells.
 
 After a fork launch, the libraries its ranks imported that this process has not imported are
-imported here, on a thread of their own (``nblaunch-preload``), one package at a time, so the
-next launch's ranks are forked with them loaded. Where an NVIDIA GPU is, a probe goes first: a
+imported here, on a thread of their own (``nblaunch-preload``), one package at a time and only
+while no cell runs (``cells``: a cell importing the same library meanwhile would get it half
+initialised; a cell that begins waits for the package under way), so the next launch's ranks
+are forked with them loaded. Outside a notebook (a script) nothing is imported ahead here. Where an NVIDIA GPU is, a probe goes first: a
 fork of this process imports the same packages and says what each did (``server/loading``); a
 package that starts CUDA is never imported here (every later launch of the kernel would have to
 go through the launch server). Everything else was proven by the ranks themselves: they are
@@ -10,10 +12,11 @@ forks of this process, and they imported it to the end. What is imported here is
 the user had: a library that starts a thread, or reads ``RANK`` at import, does here what it
 would do in a cell.
 
-A launch forks between two packages (``before_fork``): it waits for the package being imported,
-which the ranks imported before (seconds), but at most 10 s; past that it forks anyway (a rank
-forked while a package was half imported forgets it and imports it itself:
-``worker.inherited.forget_half_imported``) and the package is refused. What the imports set in
+A launch (of another cell, or ``block=False``) forks between two packages (``before_fork``): it
+waits for the package being imported, which the ranks imported before (seconds), but at most
+10 s; past that it forks anyway (a rank forked while a package was half imported forgets it and
+imports it itself: ``worker.inherited.forget_half_imported``) and the package is refused; so does
+a cell that begins. What the imports set in
 ``os.environ`` is put back at once (only what this thread set: a cell's own changes meanwhile
 stay) and handed to the ranks.
 
@@ -47,6 +50,7 @@ from nblaunch.facts.cuda import cuda_initialized
 from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.forking_thread import run_on_forking_thread
+from nblaunch.launch.warm_start.cells import cells
 from nblaunch.launch.warm_start.ledger import Stamp, changed, enabled, ledger, stamps
 from nblaunch.launch.warm_start.stepping_aside import Paused, launches
 from nblaunch.server.loading import OK, load_package, packages_in_order
@@ -70,23 +74,41 @@ class KernelPreload:
         self._brought: dict[str, tuple[frozenset[str], dict[str, str]]] = {}
         self._loaded: list[str] = []  # every package imported here for the ranks, in order
         self._stamps: dict[str, Stamp | None] = {}
+        self._watching = False  # cells begin by waiting for the package under way
 
     def after_launch(self) -> None:
-        """Import, in the background, what the ranks imported that this process has not."""
-        if not enabled() or cuda_initialized() or (self._thread is not None and self._thread.is_alive()):
+        """Import, in the background and between cells, what the ranks imported that this
+        process has not."""
+        if not enabled() or not cells().watching or cuda_initialized():
             return  # with CUDA started here, the launches go through the launch server instead
+        if not self._watching:
+            self._watching = True
+            cells().before_each_cell(self._wait_for_the_package_under_way)
+        if self._thread is not None and self._thread.is_alive():
+            return
         names = ledger().for_kernel()
         if names:
             self._thread = threading.Thread(target=self._load, args=(names,), name="nblaunch-preload", daemon=True)
             self._thread.start()
 
+    def _wait_for_the_package_under_way(self) -> None:
+        if self._acquire():
+            self._importing.release()
+
+    def _acquire(self) -> bool:
+        """Take ``_importing`` (no import here while it is held), waiting for the package under
+        way at most ``WAIT_FOR_A_PACKAGE_S``; past that, refuse it and go on without."""
+        if self._importing.acquire(timeout=WAIT_FOR_A_PACKAGE_S):
+            return True
+        if self._current is not None:
+            ledger().refuse(self._current, f"its import here had not finished after {WAIT_FOR_A_PACKAGE_S:g} s")
+        return False
+
     @contextlib.contextmanager
     def before_fork(self) -> Iterator[dict[str, str]]:
         """Around the forks of a launch's ranks: no import here meanwhile (see the module).
         Yields the variables the imports set, for the ranks."""
-        held = self._importing.acquire(timeout=WAIT_FOR_A_PACKAGE_S)
-        if not held and self._current is not None:
-            ledger().refuse(self._current, f"its import here had not finished after {WAIT_FOR_A_PACKAGE_S:g} s")
+        held = self._acquire()
         try:
             with self._records:
                 environ = dict(self._environ)
@@ -129,10 +151,16 @@ class KernelPreload:
                     ledger().refuse(package, verdict)
             packages = [(p, modules) for p, modules in packages if verdicts.get(p) == OK]
         for package, modules in packages:
-            launches().wait_turn()
-            if cuda_initialized():
-                return  # the user started CUDA meanwhile: forks are over in this process
-            with self._importing:
+            while True:
+                cells().wait_between()
+                launches().wait_turn()
+                self._importing.acquire()
+                if cells().between and not launches().alone:  # checked holding it: a cell that
+                    break                                     # begins now waits for this package
+                self._importing.release()
+            try:
+                if cuda_initialized():
+                    return  # the user started CUDA meanwhile: forks are over in this process
                 self._current, new, then = package, package not in sys.modules, dict(os.environ)
                 verdict, environ = load_package(modules, watch_threads=False)
                 self._current = None
@@ -146,6 +174,8 @@ class KernelPreload:
                     if new:  # a package of the user's (or torch's) own is theirs: as if they imported it
                         self._brought[package] = (frozenset(environ.read), then)
                         self._stamps.update(found)
+            finally:
+                self._importing.release()
 
 
 def probe(packages: list[tuple[str, list[str]]]) -> dict[str, str]:

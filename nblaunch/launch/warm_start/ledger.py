@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterable
 
 from nblaunch.contract.variables import PRELOAD
-from nblaunch.facts.installed import new_installed_modules, top_level
+from nblaunch.facts.installed import installed_modules, top_level
 
 TRUSTED = ("torch._dynamo", "nblaunch.training")  # torch imports the first when an optimizer is built
 # The notebook's own machinery, in the kernel but no rank's business: never loaded for the ranks
@@ -102,7 +102,7 @@ class Ledger:
         refused = self.refused()
         names = dict.fromkeys(TRUSTED)
         if enabled():
-            names.update(dict.fromkeys(n for n in new_installed_modules(()) if not _machinery(n)))
+            names.update(dict.fromkeys(n for n in installed_modules(list(sys.modules)) if not _machinery(n)))
             names.update(dict.fromkeys(self.learned()))
         return [n for n in names if top_level(n) not in refused]
 

@@ -19,6 +19,7 @@ import time
 
 from nblaunch.contract.variables import PRELOAD, STANDBY
 from nblaunch.launch.warm_start import early_start, standby
+from nblaunch.launch.warm_start.cells import cells
 from nblaunch.launch.warm_start.kernel_preload import kernel_preload
 from nblaunch.launch.warm_start.launch_server import running_server
 from nblaunch.launch.warm_start.ledger import ledger
@@ -97,7 +98,8 @@ def warm_start(wait: float | None = 0) -> WarmStart:
     if wait != 0:
         started = time.monotonic()
         early_start.wait_started(wait)
-        kernel_preload().wait(wait)
+        with cells().parked():  # this process imports ahead meanwhile, even inside a cell
+            kernel_preload().wait(wait)
         server = running_server()
         if server is not None:
             server.wait_warm(None if wait is None else max(0.0, wait - (time.monotonic() - started)))
