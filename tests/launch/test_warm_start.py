@@ -229,3 +229,27 @@ def test_a_cell_that_imports_what_the_kernel_imports_ahead_gets_it_whole(install
         sub.write(f"import {package}\nVALUE = 7\n")
     [said], _ = run(COLLIDING, setup=f"PACKAGE = {package!r}", cwd=str(tmp_path))
     assert said == {"value": 7, "first": [7]}
+
+
+LOUD = """
+    def use(package):
+        return __import__(package).VALUE
+
+    first = launch(use, PACKAGE)
+    #%%
+    ready = nblaunch.warm_start(wait=120)
+    say(first=first, loaded=PACKAGE in sys.modules, said=ready.said.get(PACKAGE, ""), shown=repr(ready))
+"""
+
+
+def test_what_a_library_writes_as_the_kernel_imports_it_ahead_is_kept_from_the_cells(installed, tmp_path):
+    # As tqdm.autonotebook does: a warning at import (here, only where no rank's RANK is set).
+    package = installed.package("import os, sys, warnings\nif 'RANK' not in os.environ:\n"
+                                "    print('BANNER of the library')\n"
+                                "    warnings.warn('LOUD at import', UserWarning)\nVALUE = 3\n")
+    [said], text = run(LOUD, setup=f"PACKAGE = {package!r}", cwd=str(tmp_path))
+    assert said["first"] == [3] and said["loaded"]
+    shown = "".join(line for line in text.splitlines(keepends=True) if not line.startswith("RESULT "))
+    assert "LOUD" not in shown and "BANNER" not in shown  # under no cell: the user imported nothing
+    assert "BANNER of the library" in said["said"] and "UserWarning: LOUD at import" in said["said"]
+    assert f"{package} wrote as this process imported it: BANNER of the library" in said["shown"]

@@ -10,7 +10,8 @@ package that starts CUDA is never imported here (every later launch of the kerne
 go through the launch server). Everything else was proven by the ranks themselves: they are
 forks of this process, and they imported it to the end. What is imported here is imported as if
 the user had: a library that starts a thread, or reads ``RANK`` at import, does here what it
-would do in a cell.
+would do in a cell, except that what it writes (a warning, a banner) is kept for
+``nblaunch.warm_start()`` rather than shown under the last cell (``kept_output``).
 
 A launch (of another cell, or ``block=False``) forks between two packages (``before_fork``): it
 waits for the package being imported, which the ranks imported before (seconds), but at most
@@ -51,6 +52,7 @@ from nblaunch.launch.planning.devices import cuda_device_count
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.forking_thread import run_on_forking_thread
 from nblaunch.launch.warm_start.cells import cells
+from nblaunch.launch.warm_start.kept_output import kept_output
 from nblaunch.launch.warm_start.ledger import Stamp, changed, enabled, ledger, stamps
 from nblaunch.launch.warm_start.stepping_aside import Paused, launches
 from nblaunch.server.loading import OK, load_package, packages_in_order
@@ -74,6 +76,7 @@ class KernelPreload:
         self._brought: dict[str, tuple[frozenset[str], dict[str, str]]] = {}
         self._loaded: list[str] = []  # every package imported here for the ranks, in order
         self._stamps: dict[str, Stamp | None] = {}
+        self._said: dict[str, str] = {}  # what a package's import here wrote (kept_output)
         self._watching = False  # cells begin by waiting for the package under way
 
     def after_launch(self) -> None:
@@ -129,6 +132,11 @@ class KernelPreload:
         with self._records:
             return list(self._loaded)
 
+    def said(self) -> dict[str, str]:
+        """What each package imported here wrote as it was imported (kept from the cells)."""
+        with self._records:
+            return dict(self._said)
+
     def stale_packages(self) -> dict[str, str]:
         """Packages brought in here that a fresh import would not give now, and why."""
         environ = dict(os.environ)
@@ -162,8 +170,12 @@ class KernelPreload:
                 if cuda_initialized():
                     return  # the user started CUDA meanwhile: forks are over in this process
                 self._current, new, then = package, package not in sys.modules, dict(os.environ)
-                verdict, environ = load_package(modules, watch_threads=False)
+                with kept_output() as said:  # not the last cell's output (kept_output)
+                    verdict, environ = load_package(modules, watch_threads=False)
                 self._current = None
+                if said.getvalue().strip():
+                    with self._records:
+                        self._said[package] = said.getvalue()
                 if verdict != OK:
                     ledger().refuse(package, verdict)
                     continue

@@ -52,6 +52,8 @@ class WarmStart:
     standby_off: str | None  # why no rank waits any more in this process
     last_release: str | None  # why the last ranks on standby were let go
     server_ready_s: dict[str, float | None] = dataclasses.field(default_factory=dict)  # its processes' imports
+    said: dict[str, str] = dataclasses.field(default_factory=dict)  # what an import here wrote, by package
+
     def release(self) -> int:
         """Let every rank on standby go now (its GPU memory freed); how many there were. The
         next launch from the launch server starts them again: ``NBLAUNCH_STANDBY=0`` for never."""
@@ -78,6 +80,8 @@ class WarmStart:
                 f"{name} {'importing' if s is None else f'ready in {s:.1f} s'}" for name, s in self.server_ready_s.items()))
         for package, why in self.refused.items():
             lines.append(f"  not loaded ahead: {package} ({why})")
+        for package, text in self.said.items():
+            lines.append(f"  {package} wrote as this process imported it: " + text.strip().replace("\n", "\n    "))
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:  # noqa: ANN001  IPython's
@@ -130,6 +134,7 @@ def warm_start(wait: float | None = 0) -> WarmStart:
         standby_off=None if server is None else server.standby_off,
         last_release=None if server is None else server.last_release,
         server_ready_s=ready_s,
+        said=kernel_preload().said(),
     )
 
 
