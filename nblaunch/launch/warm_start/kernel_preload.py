@@ -212,21 +212,36 @@ def probe(packages: list[tuple[str, list[str]]]) -> dict[str, str]:
     verdicts: dict[str, str] = {}
     reader = wire.FrameReader()
     try:
-        with launches().pausing(Paused(pid)):  # stopped while a launch runs alone (stepping_aside)
-            while len(verdicts) < len(packages):
-                ready, _, _ = select.select([read_end], [], [], PROBE_PACKAGE_S)
-                chunk = os.read(read_end, 1 << 16) if ready else b""
-                if not chunk:
-                    if not ready and not launches().alone:  # the package it was on never finished
-                        verdicts[packages[len(verdicts)][0]] = f"its import did not finish within {PROBE_PACKAGE_S:g} s"
-                    break
-                for _, body in reader.feed(chunk):
-                    package, verdict = pickle.loads(body)
-                    verdicts[package] = verdict
+        # Not stopped before it has said it is alive: stopped before its lifeline is set, it would
+        # outlive the kernel.
+        if _read_probe(read_end, reader, verdicts, packages, until_alive=True):
+            with launches().pausing(Paused(pid)):  # stopped while a launch runs alone (stepping_aside)
+                _read_probe(read_end, reader, verdicts, packages, until_alive=False)
     finally:
         fdtable.close([read_end])
         _kill(pid)
     return verdicts
+
+
+def _read_probe(read_end: int, reader: wire.FrameReader, verdicts: dict[str, str],
+                packages: list[tuple[str, list[str]]], until_alive: bool) -> bool:
+    """Read the probe's verdicts into ``verdicts`` until it has said it is alive (``until_alive``)
+    or has judged every package; False if it ended, or hung, first."""
+    while len(verdicts) < len(packages):
+        ready, _, _ = select.select([read_end], [], [], PROBE_PACKAGE_S)
+        chunk = os.read(read_end, 1 << 16) if ready else b""
+        if not chunk:
+            if not ready and not until_alive and not launches().alone:  # the package it was on never finished
+                verdicts[packages[len(verdicts)][0]] = f"its import did not finish within {PROBE_PACKAGE_S:g} s"
+            return False
+        frames = reader.feed(chunk)
+        for kind, body in frames:
+            if kind == wire.SERVER_LOADED:
+                package, verdict = pickle.loads(body)
+                verdicts[package] = verdict
+        if until_alive and frames:
+            return True
+    return True
 
 
 def _probe_child(write_end: int, packages: list[tuple[str, list[str]]]) -> None:
@@ -234,6 +249,7 @@ def _probe_child(write_end: int, packages: list[tuple[str, list[str]]]) -> None:
     gc.freeze()  # the kernel's garbage is the kernel's to collect
     forget_half_imported()
     lifeline.die_with_parent(os.getppid())
+    wire.write_frame(write_end, wire.SERVER_READY)  # alive: it may be stopped now (probe)
     devnull = open(os.devnull, "w")  # the kernel's streams write through threads a fork does not have
     sys.stdout = sys.stderr = devnull
     for package, modules in packages:

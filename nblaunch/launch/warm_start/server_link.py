@@ -56,6 +56,9 @@ class ServerLink:
         self.verdicts: dict[str, str] = {}  # what came of each package it imported
         self.started_at, self.ready_at = time.monotonic(), None  # ready_at - started_at: its imports' time
         self._paused_at: float | None = None  # stopped (SIGSTOP) since, while a launch runs alone
+        self._pause_wanted = False  # a launch runs alone: stop it as soon as it may be stopped
+        self._spoke = False  # it has said something: its lifeline is set, its inherited descriptors closed
+        self._pausing = threading.Lock()  # pause and resume come from launches' threads and the reader's
         threading.Thread(target=self._read, name=f"nblaunch-{name}", daemon=True).start()
 
     @property
@@ -124,20 +127,32 @@ class ServerLink:
 
     def pause(self) -> None:
         """Stop it (SIGSTOP) until ``resume``: it is importing while a launch wants the cores.
-        A process that is ready is idle: it is not stopped (a launch may want a rank of it)."""
+        A process that is ready is idle: it is not stopped (a launch may want a rank of it). Nor
+        is one that has not said anything yet: stopped between its fork and its lifeline, it
+        would outlive the kernel, holding the sockets of the process it was forked from (so a
+        launch would never hear that its ranks died with their server); it is stopped when it
+        first speaks, if a launch still runs alone then."""
+        with self._pausing:
+            self._pause_wanted = True
+            if self._spoke:
+                self._stop_now()
+
+    def _stop_now(self) -> None:
         if self._paused_at is None and self.alive and not self._ready.is_set():
             self._signal(signal.SIGSTOP)
             self._paused_at = time.monotonic()
 
     def resume(self) -> None:
         """Let it go on; the time it stood still does not count as its package's import time."""
-        if self._paused_at is not None:
-            self._signal(signal.SIGCONT)
-            stood = time.monotonic() - self._paused_at
-            self._paused_at = None
-            loading = self.loading
-            if loading is not None:
-                self.loading = (loading[0], loading[1] + stood)
+        with self._pausing:
+            self._pause_wanted = False
+            if self._paused_at is not None:
+                self._signal(signal.SIGCONT)
+                stood = time.monotonic() - self._paused_at
+                self._paused_at = None
+                loading = self.loading
+                if loading is not None:
+                    self.loading = (loading[0], loading[1] + stood)
 
     def _signal(self, signum: int) -> None:
         if not self.alive:
@@ -182,6 +197,11 @@ class ServerLink:
 
     def _on(self, kind: bytes, body: bytes, fds: collections.deque[int]) -> None:
         news: object = None  # what on_frame hears
+        if not self._spoke:
+            with self._pausing:
+                self._spoke = True
+                if self._pause_wanted and kind != wire.SERVER_READY:
+                    self._stop_now()
         if kind == wire.SERVER_READY:
             self.ready_at = time.monotonic()
             self.loading = None
