@@ -55,19 +55,26 @@ def test_a_dead_server_is_replaced_by_the_next_launch():
     assert [tag for *_, tag in after] == ["after", "after"]
 
 
-def wait_then_return() -> int:
+def wait_then_return(folder: str) -> int:
+    with open(os.path.join(folder, f"{os.getpid()}.rank.tmp"), "w") as mine:
+        mine.write(str(os.getppid()))
+    os.replace(mine.name, mine.name[:-len(".tmp")])  # whole, or not there
     time.sleep(600)
     return 0
 
 
-def test_a_server_killed_during_a_launch_fails_it_at_once_and_leaves_nothing():
-    (_, server, *_), _ = spawn(where_am_i, "find the server")
-    launch = notebook_launcher(wait_then_return, num_processes=2, start_method="spawn", display="none", block=False)
+def test_a_server_killed_during_a_launch_fails_it_at_once_and_leaves_nothing(tmp_path):
+    spawn(where_am_i, "the server has imported ahead for this launch")
+    launch = notebook_launcher(wait_then_return, args=(str(tmp_path),), num_processes=2, start_method="spawn",
+                               display="none", block=False)
     deadline = time.monotonic() + 60  # a backstop: the ranks are up in a fraction of a second
-    while len(launch.ranks) < 2 and time.monotonic() < deadline:
+    while len(said := list(tmp_path.glob("*.rank"))) < 2 and time.monotonic() < deadline:
         assert not launch.done(), launch.result()
         time.sleep(0.05)
-    ranks = [child.pid for child in psutil.Process(server).children()]
+    ranks = [int(path.name.split(".")[0]) for path in said]
+    # The process that forked them: the server, or the generation of it they came from (issue 44).
+    (server,) = {int(path.read_text()) for path in said}
+    assert psutil.Process(server).name() == "nblaunch-server"
     os.kill(server, signal.SIGKILL)
     with pytest.raises(RankFailedError, match="killed by SIGKILL"):
         launch.result(timeout=60)  # the ranks die with their server
