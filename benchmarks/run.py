@@ -25,7 +25,7 @@ ROOT = os.path.dirname(HERE)
 
 # name: (module:function, title, time limit in seconds)
 MEASUREMENTS = {
-    "launch": ("benchmarks.m_launch:run", "1. Launch latency and time to the first training step (2 processes)", 300),
+    "launch": ("benchmarks.m_launch:run", "1. Launch latency and time to the first training step (2 processes)", 420),
     "ddp": ("benchmarks.m_train:run_training", "2. DDP steps/s, small MLP, 2 processes (measured in the workers)", 300),
     "loader": ("benchmarks.m_train:run_loader", "3. Prepared DataLoader batches/s, trivial data set", 150),
     "memory": ("benchmarks.m_memory:run", "4. Memory: a tensor data set in the parent, 2 workers read their halves", 240),
