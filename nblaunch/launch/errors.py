@@ -132,12 +132,15 @@ class LaunchTimeoutError(TimeoutError):
         return (type(self), (self.timeout, self.stacks))
 
 
-def failure_from_exit(rank: int, code: int, tail: list[str]) -> RankFailure:
-    """How rank ``rank`` failed, from its exit ``code`` and the last lines it wrote."""
+def failure_from_exit(rank: int, code: int, tail: list[str], cause: str | None = None) -> RankFailure:
+    """How rank ``rank`` failed, from its exit ``code``, the last lines it wrote and, where the
+    launcher knows it, what killed it (``cause``: its launch server died)."""
     if code < 0:
         name = signal.Signals(-code).name
         reason = f"killed by {name}"
-        if -code == signal.SIGKILL:
+        if cause is not None:
+            reason += f": {cause}"
+        elif -code == signal.SIGKILL:
             reason += " (most likely the out-of-memory killer: the machine ran out of memory)"
         return RankFailure(rank, reason, phase=Phase.ENDED, exitcode=code, signal_name=name, log_tail=tail)
     if code == 0:

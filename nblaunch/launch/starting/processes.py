@@ -20,7 +20,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, NoReturn, Protocol
+from typing import Callable, NoReturn, Protocol, runtime_checkable
 
 from nblaunch import proctree, wire
 from nblaunch.launch.starting import fdtable
@@ -81,6 +81,13 @@ class Reaper(Protocol):
     def wait(self) -> int: ...
 
 
+@runtime_checkable
+class ExplainsEnd(Protocol):
+    """A reaper that may know why its process ended beyond its exit code."""
+
+    def ended_because(self) -> str | None: ...
+
+
 @dataclass
 class WorkerProcess:
     """The launcher's handle on one process it started, and the ranks that process hosts.
@@ -112,6 +119,11 @@ class WorkerProcess:
         if pid == self.pid:
             self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+    def ended_because(self) -> str | None:
+        """Why it ended, where its reaper knows more than the exit code (a rank of the launch
+        server that died with its server); None otherwise."""
+        return self.reaper.ended_because() if isinstance(self.reaper, ExplainsEnd) else None
 
     def wait(self) -> int:
         if self.returncode is None:

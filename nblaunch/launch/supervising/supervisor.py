@@ -326,7 +326,7 @@ class Supervisor:
             if process.killed_by_launcher or self._stopping_on_request:
                 self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
                 return
-            self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail)))
+            self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail), process.ended_because()))
         failure = rank.failure
         failure.exitcode = code
         if not failure.complete:

@@ -48,6 +48,7 @@ class ServerLink:
         self._changed = threading.Condition()
         self._started: dict[int, concurrent.futures.Future] = {}
         self._exit_codes: dict[int, int] = {}
+        self._died_with: set[int] = set()  # ranks whose end it never reported: it died first
         self._ranks: set[int] = set()  # forked by it, not yet ended
         self._dead = False
         self._send_lock = threading.Lock()  # also keeps the socket open while a frame is written
@@ -106,7 +107,15 @@ class ServerLink:
                 self._changed.wait_for(lambda: pid in self._exit_codes or self._dead, timeout)
             if pid in self._exit_codes:
                 return self._exit_codes.pop(pid)
-            return _KILLED if self._dead else None
+            if self._dead:
+                self._died_with.add(pid)
+                return _KILLED
+            return None
+
+    def died_with_it(self, pid: int) -> bool:
+        """Whether rank ``pid`` ended because this process died (its code was not reported)."""
+        with self._changed:
+            return pid in self._died_with
 
     def close(self) -> None:
         """Let it go: it sees EOF and exits (its ranks, if any, with it); so does the reader."""

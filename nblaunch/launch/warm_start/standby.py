@@ -257,6 +257,12 @@ class ServerChild:
         assert code is not None
         return code
 
+    def ended_because(self) -> str | None:
+        if self._link.died_with_it(self.pid):
+            return (f"its launch server ({self._link.name}, pid {self._link.pid}) died, and the ranks it had "
+                    "started with it; the next launch starts a new one")
+        return None
+
 
 def watch_cuda_here(release: Callable[..., object], here: int) -> bool:
     """Ranks waiting must not take GPU memory this process (pid ``here``) wants: ``release(why)``
