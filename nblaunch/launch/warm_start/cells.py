@@ -75,19 +75,19 @@ class Cells:
         finally:
             with self._changed:
                 self._parked -= 1
-            for callback in self._before:
-                try:
-                    callback()
-                except Exception:  # noqa: BLE001  never the caller's failure
-                    pass
+            self._run_before()
 
     def _cell_begins(self, *_: object) -> None:
         with self._changed:
             self._running = True
+        self._run_before()
+
+    def _run_before(self) -> None:
+        """The main thread goes on (a cell begins, or the warm-up's wait ends): each callback."""
         for callback in self._before:
             try:
                 callback()
-            except Exception:  # noqa: BLE001  never the user's cell's failure
+            except Exception:  # noqa: BLE001  never the user's cell's (nor the caller's) failure
                 pass
 
     def _cell_ended(self, *_: object) -> None:
