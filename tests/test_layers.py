@@ -25,6 +25,7 @@ LAYERS = [
     ["nblaunch.training.options"],
     ["nblaunch.training.model"],
     ["nblaunch.training.step"],
+    ["nblaunch.training.strategy"],
     ["nblaunch.training.data"],
     ["nblaunch.training.checkpoint"],
     ["nblaunch.training.tracking"],

@@ -37,13 +37,14 @@ from nblaunch.training.accelerator.training_step import TrainingStepMethods
 from nblaunch.training.model.placement import ReplacedParameters
 from nblaunch.training.model.mixed_precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
 from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
-from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin, sharding_settings
+from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                               GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                               ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.options.project import ProjectConfiguration, project_configuration
-from nblaunch.training.runtime.state import AcceleratorState, DistributedType
+from nblaunch.training.runtime.state import AcceleratorState
 from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.strategy.picking import pick_strategy
 from nblaunch.worker import channel
 from nblaunch.training.tracking.choose import choose_trackers
 
@@ -140,11 +141,6 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         if fsdp_plugin is None:
             fsdp_plugin = fsdp_plugin_from_environment()  # None unless the launch asked for FSDP
         self.fsdp_plugin = fsdp_plugin
-        self._sharding = None
-        if fsdp_plugin is not None:
-            if self.state.distributed_type is DistributedType.XLA:
-                raise NotImplementedError("fsdp_plugin is not supported on XLA devices by nblaunch")
-            self._sharding = sharding_settings(fsdp_plugin, self.mixed_precision)  # refuses before any step
         self.state.fsdp_plugin = fsdp_plugin
 
         config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
@@ -173,6 +169,9 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
                 self.profile_handler = handler
             elif not isinstance(handler, InitProcessGroupKwargs):
                 raise TypeError(f"unsupported kwargs handler {type(handler).__name__}")
+
+        # How models are spread over the ranks, chosen once; each stack refuses bad settings here.
+        self._strategy = pick_strategy(self.state, self.mixed_precision, self.ddp_options, fsdp_plugin)
 
         self.sync_each_batch = False
         if gradient_accumulation_plugin is not None:

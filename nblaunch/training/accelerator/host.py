@@ -26,12 +26,12 @@ from nblaunch.training.runtime.state import AcceleratorState, DistributedType
 if TYPE_CHECKING:
     from nblaunch.training.data.prepared import PreparedDataLoader
     from nblaunch.training.model.placement import ReplacedParameters
-    from nblaunch.training.options.fsdp_plugin import ShardingSettings
     from nblaunch.training.options.project import ProjectConfiguration
     from nblaunch.training.options.kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, ProfileKwargs
     from nblaunch.training.step.accumulation import Accumulate
     from nblaunch.training.step.gradient_state import GradientState
     from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+    from nblaunch.training.strategy.interface import Strategy
 
 __all__ = ["AcceleratorHost"]
 
@@ -62,7 +62,7 @@ class AcceleratorHost:
     project_name: str | None  # init_trackers'
     config: dict | None  # init_trackers'
     _autocast_dtype: torch.dtype | None
-    _sharding: ShardingSettings | None  # None: models are wrapped in DDP, not sharded
+    _strategy: Strategy  # how prepared models are spread over the ranks (DDP, FSDP2, ...)
 
     # What was prepared, in order (Accelerate's names: transformers' Trainer reads _models).
     _models: list[torch.nn.Module]
@@ -101,14 +101,12 @@ class AcceleratorHost:
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self._sharding is not None:
-            return DistributedType.FSDP
-        return self.state.distributed_type
+        return self._strategy.distributed_type or self.state.distributed_type
 
     @property
     def is_fsdp2(self) -> bool:
         """True when ``prepare`` shards models (an ``fsdp_plugin`` was given): always FSDP2 here."""
-        return self._sharding is not None
+        return self._strategy.distributed_type is DistributedType.FSDP
 
     @property
     def use_distributed(self) -> bool:

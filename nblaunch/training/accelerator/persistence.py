@@ -20,7 +20,6 @@ import torch
 from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.checkpoint import files, naming, single
 from nblaunch.training.checkpoint.record import Prepared
-from nblaunch.training.model.fsdp import full_state_dict, is_sharded
 from nblaunch.training.runtime.memory import release_memory
 
 __all__ = ["PersistenceMethods"]
@@ -32,7 +31,7 @@ class PersistenceMethods(AcceleratorHost):
     def _prepared(self) -> Prepared:
         """What a checkpoint saves: the prepared objects (the lists themselves), scaler, device."""
         return Prepared(self._models, self._optimizers, self._schedulers, self._dataloaders,
-                        self._custom_objects, self.scaler, self.device)
+                        self._custom_objects, self.scaler, self.device, self._strategy)
 
     def _checkpoint_dir(self, path: Any, saving: bool) -> str:
         config = self.project_configuration
@@ -89,10 +88,12 @@ class PersistenceMethods(AcceleratorHost):
             self._custom_objects.append(obj)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
-        """The model's state dict, unwrapped. For a sharded (FSDP) model: the whole weights on the
-        CPU of the main process, an empty dict on the others; call it on every process."""
-        if is_sharded(model):
-            return full_state_dict(model)
+        """The model's state dict, unwrapped. For a model spread over the ranks (FSDP, ZeRO-3,
+        tensor parallel): the whole weights on the CPU of the main process, an empty dict on the
+        others; call it on every process."""
+        whole = self._strategy.full_state_dict(model)
+        if whole is not None:
+            return whole
         return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:

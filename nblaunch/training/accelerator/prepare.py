@@ -20,8 +20,7 @@ from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.data.loaders import build_prepared_loader
 from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batches
 from nblaunch.training.model import placement
-from nblaunch.training.model.ddp import wrap_ddp
-from nblaunch.training.model.fsdp import is_sharded, shard_model, sharded_model_of
+from nblaunch.training.model.fsdp import is_sharded
 from nblaunch.training.model.mixed_precision import AutocastForward
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 
@@ -42,16 +41,19 @@ class PrepareMethods(AcceleratorHost):
         elif len(device_placement) != len(args):
             raise ValueError("device_placement needs one entry per object")
         results: list[Any] = list(args)
+        together = self._strategy.prepare_together(args, self.gradient_state)  # DeepSpeed's engine
+        for i, replacement in together.items():
+            results[i] = replacement
         # Models first: optimizers need their new parameters (XLA, FSDP). Schedulers last: they
         # need the prepared optimizers.
         for i, obj in enumerate(args):
-            if isinstance(obj, torch.nn.Module):
+            if isinstance(obj, torch.nn.Module) and i not in together:
                 results[i] = self.prepare_model(obj, device_placement=device_placement[i])
         for i, (obj, place) in enumerate(zip(args, device_placement)):
-            if not isinstance(obj, torch.nn.Module) and not _is_scheduler(obj):
+            if not isinstance(obj, torch.nn.Module) and not _is_scheduler(obj) and i not in together:
                 results[i] = self._prepare_one(obj, place)
         for i, obj in enumerate(args):
-            if _is_scheduler(obj):
+            if _is_scheduler(obj) and i not in together:
                 results[i] = self.prepare_scheduler(obj)
         return results[0] if len(results) == 1 else tuple(results)
 
@@ -80,21 +82,14 @@ class PrepareMethods(AcceleratorHost):
         if device_placement is None:
             device_placement = self.device_placement
         trainable = not evaluation_mode and not self._on_xla and any(p.requires_grad for p in model.parameters())
-        distribute = self.num_processes > 1 and trainable
-        # One process shards too, as Accelerate does on one GPU: CPU offload, the same checkpoints.
-        shard = trainable and self._sharding is not None
+        strategy = self._strategy
         before = dict(model.named_parameters())
-        if device_placement and not shard:  # sharding moves one unit at a time, or offloads
+        if device_placement and strategy.places(trainable):
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
-        # A sharded model computes in its policy's dtype, without autocast, as under Accelerate's
-        # FSDP2 (autocast would run its LayerNorms and softmaxes in fp32 and train differently).
-        if self._autocast_dtype is not None and not shard and not isinstance(model.__dict__.get("forward"), AutocastForward):
+        if (self._autocast_dtype is not None and strategy.autocasts(trainable)
+                and not isinstance(model.__dict__.get("forward"), AutocastForward)):
             model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
-        if shard:
-            self.state.ensure_process_group()
-            model = shard_model(model, self._sharding, self.device)
-        elif distribute:
-            model = wrap_ddp(model, self.device, self.ddp_options)
+        model = strategy.wrap_model(model, self.device, trainable)
         self._replaced_parameters.record(before, model)
         for prepared in self._optimizers:  # prepared before their model
             self._replaced_parameters.switch(prepared.optimizer)
@@ -118,7 +113,7 @@ class PrepareMethods(AcceleratorHost):
         if device_placement is None:
             device_placement = self.device_placement
         self._replaced_parameters.switch(optimizer)
-        sharded_model_of(self._models, optimizer)  # refuses one over a sharded model and more
+        self._strategy.check_optimizer(self._models, optimizer)  # e.g. one over a sharded model and more
         if device_placement and self._on_xla:
             placement.check_on_xla(optimizer)
         if device_placement and self.device.type != "cpu" and optimizer.state:

@@ -20,7 +20,6 @@ import torch
 
 from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.data import uneven
-from nblaunch.training.model.fsdp import total_norm
 from nblaunch.training.model.gradient_sync import paused_gradient_sync, trigger_sync_in_backward
 from nblaunch.training.options.kwargs import AutocastKwargs, ProfileKwargs, adopt
 from nblaunch.training.runtime.state import DistributedType
@@ -37,12 +36,9 @@ class TrainingStepMethods(AcceleratorHost):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled under fp16."""
         steps = self.gradient_state.num_steps
-        if steps > 1:
+        if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
+        self._strategy.backward(loss, self.scaler, **kwargs)
 
     def accumulate(self, *models: torch.nn.Module) -> Accumulate:
         """Context for one micro-step of gradient accumulation.
@@ -112,7 +108,7 @@ class TrainingStepMethods(AcceleratorHost):
         for a sharded model)."""
         parameters = list(parameters)
         self._finish_gradients(parameters)
-        return total_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
+        return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         parameters = list(parameters)

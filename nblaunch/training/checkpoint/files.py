@@ -15,11 +15,10 @@ A checkpoint directory (files of the main process unless marked per rank)::
                                                   Accelerate's format (torch.save of a dict)
     nblaunch_positions_{r}.pkl                    per rank, nblaunch only: the data position of
                                                   every prepared DataLoader
-    pytorch_model_fsdp_{i}/, optimizer_{i}/       a sharded (FSDP) model and its optimizer, instead
-                                                  of the files above: every rank writes its shards
-                                                  through torch.distributed.checkpoint, keys
-                                                  "model.<name>" / "optimizer.<...>" (Accelerate's
-                                                  SHARDED_STATE_DICT)
+    what the strategy writes                      a model spread over the ranks and its optimizer,
+                                                  instead of the files above, in its stack's layout
+                                                  (FSDP: pytorch_model_fsdp_{i}/, optimizer_{i}/;
+                                                  DeepSpeed: pytorch_model/; see strategy/)
 
 The data position (epoch, shuffle position, batches consumed) is restored too, so the next
 ``for batch in loader`` continues the interrupted epoch exactly. A checkpoint Accelerate wrote
@@ -43,7 +42,6 @@ import torch
 
 from nblaunch.training.checkpoint import layout
 from nblaunch.training.checkpoint.record import Prepared
-from nblaunch.training.model.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
 from nblaunch.training.model.unwrap import unwrap_model
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.seed import get_rng_states, set_rng_states
@@ -84,43 +82,6 @@ def _cpu_copy(data: Any) -> Any:
     return recursively_apply(lambda t: t.cpu() if t.device.type == "xla" else t, data)
 
 
-def _optimizer_owners(prepared: Prepared) -> list[torch.nn.Module | None]:
-    """For each prepared optimizer, the sharded model it trains (None: it trains none)."""
-    return [sharded_model_of(prepared.models, opt.optimizer) for opt in prepared.optimizers]
-
-
-def _save_sharded(prepared: Prepared, output_dir: str, owners: list[torch.nn.Module | None]) -> None:
-    """Every rank writes its shards of the sharded models and their optimizers (collectives)."""
-    import torch.distributed.checkpoint as dcp  # deferred: ~50 ms to import, for sharded models only
-    for i, model in enumerate(prepared.models):
-        if is_sharded(model):
-            path = os.path.join(output_dir, layout.sharded_model_dir(i))
-            dcp.save({"model": sharded_state(model)}, checkpoint_id=path)
-    for i, (opt, model) in enumerate(zip(prepared.optimizers, owners)):
-        if model is not None:
-            path = os.path.join(output_dir, layout.sharded_optimizer_dir(i))
-            dcp.save({"optimizer": sharded_state(model, opt.optimizer)}, checkpoint_id=path)
-
-
-def _load_sharded(prepared: Prepared, input_dir: str, strict: bool, owners: list[torch.nn.Module | None]) -> None:
-    import torch.distributed.checkpoint as dcp  # deferred: ~50 ms to import, for sharded models only
-    for i, model in enumerate(prepared.models):
-        if is_sharded(model):
-            path = os.path.join(input_dir, layout.sharded_model_dir(i))
-            if not os.path.isdir(path):
-                raise FileNotFoundError(
-                    f"{input_dir!r} has no {os.path.basename(path)}/: it was saved from a model that was not "
-                    "sharded (no fsdp_plugin, or Accelerate's FULL_STATE_DICT); load it the same "
-                    "way, or save with state_dict_type SHARDED_STATE_DICT")
-            state = {"model": sharded_state(model)}
-            dcp.load(state, checkpoint_id=path)
-            load_sharded_state(model, state["model"], strict=strict)
-    for i, (opt, model) in enumerate(zip(prepared.optimizers, owners)):
-        if model is not None:
-            state = {"optimizer": sharded_state(model, opt.optimizer)}
-            dcp.load(state, checkpoint_id=os.path.join(input_dir, layout.sharded_optimizer_dir(i)))
-            load_sharded_state(model, state["optimizer"], optimizer=opt.optimizer)
-
 
 def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: PartialState,
                gradient_state: GradientState, safe_serialization: bool = True) -> str:
@@ -140,18 +101,17 @@ def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: Partial
                       stacklevel=3)
     rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
     save = host_saver(state)
-    owners = _optimizer_owners(prepared)
-    _save_sharded(prepared, output_dir, owners)
-    os.makedirs(output_dir, exist_ok=True)  # every rank: a per-node disk has no main process writing it
+    os.makedirs(output_dir, exist_ok=True)
+    written = prepared.strategy.save_states(prepared.models, prepared.optimizers, output_dir, state)  # every rank: a per-node disk has no main process writing it
     if state.is_main_process:
         for i, model in enumerate(prepared.models):
-            if not is_sharded(model):
+            if i not in written.models:
                 weights = unwrap_model(model).state_dict()
                 if state.distributed_type is DistributedType.XLA:
                     weights = _cpu_copy(weights)
                 layout.write_weights(weights, output_dir, i, save, safe_serialization)
-        for i, (opt, owner) in enumerate(zip(prepared.optimizers, owners)):
-            if owner is None:
+        for i, opt in enumerate(prepared.optimizers):
+            if i not in written.optimizers:
                 save(opt.optimizer.state_dict(), os.path.join(output_dir, layout.optimizer_name(i)))
         for i, sched in enumerate(prepared.schedulers):
             save(sched.scheduler.state_dict(), os.path.join(output_dir, layout.scheduler_name(i)))
@@ -177,12 +137,12 @@ def _load(path: str, map_location: Any) -> Any:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-def _load_weights(model: torch.nn.Module, input_dir: str, i: int, strict: bool) -> None:
+def _load_weights(prepared: Prepared, input_dir: str, i: int, strict: bool) -> None:
     weights = layout.read_weights(input_dir, i)
     if weights is None:
-        if os.path.isdir(os.path.join(input_dir, layout.sharded_model_dir(i))):
-            raise FileNotFoundError(f"{input_dir!r} holds a sharded model (saved with an fsdp_plugin): load it "
-                                    "the same way, with Accelerator(fsdp_plugin=...)")
+        why = prepared.strategy.refuses_plain_checkpoint(input_dir, i)
+        if why is not None:
+            raise FileNotFoundError(f"{input_dir!r} holds {why}")
         if os.path.exists(os.path.join(input_dir, "model.bin")) or os.path.exists(os.path.join(input_dir, "rank_0.pkl")):
             raise FileNotFoundError(
                 f"{input_dir!r} is in nblaunch's earlier layout (model.bin, rank_N.pkl), which load_state no longer "
@@ -192,7 +152,7 @@ def _load_weights(model: torch.nn.Module, input_dir: str, i: int, strict: bool) 
             f"{input_dir!r} has no {layout.weights_name(i, safe=True)} or {layout.weights_name(i, safe=False)} "
             f"for prepared model {i} (it holds {sorted(os.listdir(input_dir))}): give the directory save_state "
             "wrote, and prepare as many models as that run did")
-    layout.load_weights(unwrap_model(model), weights, strict=strict)
+    layout.load_weights(unwrap_model(prepared.models[i]), weights, strict=strict)
 
 
 def load_state(prepared: Prepared, input_dir: str | os.PathLike, state: PartialState,
@@ -208,13 +168,12 @@ def load_state(prepared: Prepared, input_dir: str | os.PathLike, state: PartialS
         raise ValueError(f"{input_dir!r} holds {len(custom)} registered objects' states, "
                          f"{len(prepared.custom_objects)} objects are registered: register_for_checkpointing "
                          "the same objects, in the same order, as the run that saved it")
-    owners = _optimizer_owners(prepared)
-    _load_sharded(prepared, input_dir, strict, owners)
-    for i, model in enumerate(prepared.models):
-        if not is_sharded(model):
-            _load_weights(model, input_dir, i, strict)
-    for i, (opt, owner) in enumerate(zip(prepared.optimizers, owners)):
-        if owner is None:
+    written = prepared.strategy.load_states(prepared.models, prepared.optimizers, input_dir, strict, state)
+    for i in range(len(prepared.models)):
+        if i not in written.models:
+            _load_weights(prepared, input_dir, i, strict)
+    for i, opt in enumerate(prepared.optimizers):
+        if i not in written.optimizers:
             # Optimizer.load_state_dict moves the state onto each parameter's device.
             opt.optimizer.load_state_dict(_load(os.path.join(input_dir, layout.optimizer_name(i)), "cpu"))
     for i, sched in enumerate(prepared.schedulers):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["weights_name", "optimizer_name", "scheduler_name", "custom_name", "random_states_name",
-           "positions_name", "sharded_model_dir", "sharded_optimizer_dir", "CUSTOM_PATTERN", "ACCELERATE_NAMES",
+           "positions_name", "CUSTOM_PATTERN", "ACCELERATE_NAMES",
            "ACCELERATE_POSITION_PATTERN",
            "write_weights", "read_weights", "load_weights", "random_states", "from_random_states"]
 
@@ -79,16 +79,6 @@ def random_states_name(rank: int) -> str:
 def positions_name(rank: int) -> str:
     """nblaunch's own per-rank file: where each prepared DataLoader is (Accelerate ignores it)."""
     return f"nblaunch_positions_{rank}.pkl"
-
-
-def sharded_model_dir(i: int) -> str:
-    """A sharded (FSDP) model's ``torch.distributed.checkpoint`` folder; its keys are ``model.<name>``."""
-    return f"pytorch_model_fsdp_{i}"
-
-
-def sharded_optimizer_dir(i: int) -> str:
-    """The folder of the optimizer of a sharded model; its keys are ``optimizer.state.<name>...``."""
-    return f"optimizer_{i}"
 
 
 # -- whole weights --------------------------------------------------------------------------------

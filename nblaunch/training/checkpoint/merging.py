@@ -16,7 +16,8 @@ import tempfile
 
 import torch
 
-from nblaunch.training.checkpoint.layout import SAFE_WEIGHTS_NAME, WEIGHTS_NAME, sharded_model_dir
+from nblaunch.training.checkpoint.layout import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+from nblaunch.training.strategy.sharded_layout import sharded_model_dir
 from nblaunch.training.checkpoint.single import save
 from nblaunch.training.runtime.state import PartialState
 

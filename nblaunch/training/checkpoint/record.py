@@ -6,7 +6,7 @@ Example::
 
     record = Prepared(models=[model], optimizers=[prepared_optimizer], schedulers=[],
                       dataloaders=[prepared_loader], custom_objects=[], scaler=None,
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), strategy=Replicated(...))
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 if TYPE_CHECKING:
     from nblaunch.training.data.prepared import PreparedDataLoader
     from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+    from nblaunch.training.strategy.interface import Strategy
 
 __all__ = ["Prepared"]
 
@@ -29,7 +30,8 @@ class Prepared:
     i-th model is saved as ``model_i``, and loads into the i-th model prepared by the resumed run.
 
     The lists are the Accelerator's own (not copies): loading restores into those objects.
-    ``device`` is where registered objects' tensors are loaded.
+    ``device`` is where registered objects' tensors are loaded; ``strategy`` writes and reads
+    the models and optimizers it spread over the ranks.
     """
 
     models: list[torch.nn.Module]
@@ -39,3 +41,4 @@ class Prepared:
     custom_objects: list[Any]
     scaler: torch.amp.GradScaler | None
     device: torch.device
+    strategy: Strategy

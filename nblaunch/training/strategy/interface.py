@@ -1,0 +1,100 @@
+"""The ``Strategy`` seam: what every way of spreading a model over the ranks answers, with the
+answers of a model that is not spread (the defaults). See the package docstring.
+
+Example::
+
+    strategy = pick_strategy(state, mixed_precision="no", fsdp_plugin=None)
+    model = strategy.wrap_model(model, device, trainable=True)
+    strategy.backward(loss, scaler=None)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nblaunch.training.model.fsdp import full_state_dict, is_sharded, sharded_model_of, total_norm
+from nblaunch.training.runtime.state import DistributedType, PartialState
+from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.training.strategy import sharded_layout
+from nblaunch.training.strategy.written import Written
+
+__all__ = ["Strategy", "Written"]
+
+
+class Strategy:
+    """A model that is not spread: each rank holds all of it (the base of ``Replicated``).
+
+    Subclasses override what their stack does differently; every method here is what a plain
+    model needs, so a strategy states only its differences.
+    """
+
+    #: ``Accelerator.distributed_type`` under this strategy; None: the process state's own.
+    distributed_type: DistributedType | None = None
+
+    def places(self, trainable: bool) -> bool:
+        """Whether ``prepare`` moves the model to the device before :meth:`wrap_model` (sharding
+        places a trained model itself, one unit at a time)."""
+        return True
+
+    def autocasts(self, trainable: bool) -> bool:
+        """Whether ``prepare`` runs the model's forward under the mixed precision's autocast."""
+        return True
+
+    def check_optimizer(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer this strategy cannot save (one over a sharded model and more)."""
+        sharded_model_of(models, optimizer)
+
+    def prepare_together(self, args: tuple, gradient_state: GradientState) -> dict[int, Any]:
+        """Prepare objects that only make sense together (DeepSpeed's engine: model, optimizer
+        and scheduler at once) before ``prepare`` looks at each one: each one's replacement by
+        its index in ``args``; nothing by default."""
+        return {}
+
+    def wrap_model(self, model: torch.nn.Module, device: torch.device, trainable: bool) -> torch.nn.Module:
+        """The model as it trains under this strategy (already placed and autocast)."""
+        return model
+
+    def backward(self, loss: torch.Tensor, scaler: Any, **kwargs: Any) -> None:
+        """Backward of an already accumulation-divided ``loss``, scaled under fp16."""
+        if scaler is not None:
+            scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def divides_loss(self) -> bool:
+        """Whether ``Accelerator.backward`` divides the loss by the accumulation steps (DeepSpeed's
+        engine does it itself)."""
+        return True
+
+    def clip_grad_norm_(self, parameters: list, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip and return the total norm (over every rank's shards for a sharded model)."""
+        return total_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole weights of a model this strategy spread (on the main process; call it on
+        every rank); None: the unwrapped model's own ``state_dict`` is whole."""
+        return full_state_dict(model) if is_sharded(model) else None
+
+    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> Written:
+        """Write the models and optimizers that are spread, on every rank; a model that someone
+        sharded with ``fully_shard`` is written sharded whatever the strategy."""
+        return sharded_layout.save(models, optimizers, output_dir)
+
+    def load_states(self, models: list, optimizers: list, input_dir: str, strict: bool,
+                    state: PartialState) -> Written:
+        """Read back what :meth:`save_states` wrote."""
+        return sharded_layout.load(models, optimizers, input_dir, strict)
+
+    def refuses_plain_checkpoint(self, input_dir: str, i: int) -> str | None:
+        """Why a checkpoint without model ``i``'s plain weights cannot load here (what the folder
+        holds instead), or None."""
+        if os.path.isdir(os.path.join(input_dir, sharded_layout.sharded_model_dir(i))):
+            return "a sharded model (saved with an fsdp_plugin): load it the same way, with Accelerator(fsdp_plugin=...)"
+        return None
+
+    def describe(self) -> str:
+        """One line for ``repr`` and errors."""
+        return type(self).__name__
