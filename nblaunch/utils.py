@@ -27,6 +27,8 @@ from nblaunch.training.checkpoint.layout import (MODEL_NAME, OPTIMIZER_NAME, PRO
 from nblaunch.training.checkpoint.merging import merge_fsdp_weights
 from nblaunch.training.checkpoint.single import load, save
 from nblaunch.training.data.prepared import skip_first_batches
+from nblaunch.training.options.deepspeed_config import HfDeepSpeedConfig
+from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                               DistributedDataParallelKwargs, GradientAccumulationPlugin,
@@ -42,6 +44,8 @@ from nblaunch.training.runtime.main_process import tqdm, wait_for_everyone
 from nblaunch.training.runtime.memory import find_executable_batch_size, release_memory
 from nblaunch.training.runtime.seed import set_seed
 from nblaunch.training.runtime.tree import concatenate, recursively_apply, send_to_device
+from nblaunch.training.strategy.deepspeed_wrappers import (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper,
+                                                          DeepSpeedSchedulerWrapper)
 from nblaunch.training.tracking.general_tracker import LoggerType
 
 __all__ = [
@@ -53,6 +57,8 @@ __all__ = [
     "concatenate", "recursively_apply", "reduce", "send_to_device", "set_seed", "synchronize_rng_state",
     "synchronize_rng_states", "skip_first_batches", "find_executable_batch_size", "release_memory", "save", "load", "merge_fsdp_weights", "write_basic_config", "tqdm",
     "wait_for_everyone",
+    "DeepSpeedPlugin", "HfDeepSpeedConfig", "DummyOptim", "DummyScheduler", "DeepSpeedEngineWrapper",
+    "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
     "MODEL_NAME", "SAFE_MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "RNG_STATE_NAME",
     "SCALER_NAME", "WEIGHTS_NAME", "SAFE_WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_INDEX_NAME",
     "WEIGHTS_PATTERN_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "PROFILE_PATTERN_NAME",

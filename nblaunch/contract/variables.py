@@ -95,6 +95,30 @@ FSDP_VARIABLES = {
     "fsdp_ignored_modules": "FSDP_IGNORED_MODULES",
 }
 
+ACCELERATE_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+# Accelerate's DeepSpeed settings: each key of a config file's `deepspeed_config` (and flag of
+# `accelerate launch`) and the variable DeepSpeedPlugin() reads it from.
+DEEPSPEED_VARIABLES = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+    "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+}
+ACCELERATE_FP8_BACKEND = "ACCELERATE_FP8_BACKEND"  # "AO" (torchao), "TE", "MSAMP"
+# Accelerate's ParallelismConfig sizes: the field and its variable.
+PARALLELISM_VARIABLES = {
+    "dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    "dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+    "tp_size": "PARALLELISM_CONFIG_TP_SIZE",
+    "cp_size": "PARALLELISM_CONFIG_CP_SIZE",
+}
+
 # The devices a rank sees, and its threads.
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 PJRT_DEVICE = "PJRT_DEVICE"  # torch_xla's device kind: "TPU", or "CPU" for XLA on the CPU

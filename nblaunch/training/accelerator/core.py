@@ -36,6 +36,7 @@ from nblaunch.training.accelerator.trackers import TrackingMethods
 from nblaunch.training.accelerator.training_step import TrainingStepMethods
 from nblaunch.training.model.placement import ReplacedParameters
 from nblaunch.training.model.mixed_precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
+from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, deepspeed_plugin_from_environment
 from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
@@ -52,7 +53,7 @@ __all__ = ["Accelerator"]
 
 
 # Accelerate arguments for features nblaunch does not have: refused when actually used.
-_UNSUPPORTED = ("deepspeed_plugin", "megatron_lm_plugin", "torch_tp_plugin",
+_UNSUPPORTED = ("torch_tp_plugin",
                 "parallelism_config", "dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
 _IGNORED = ("downcast_bf16",)
@@ -95,6 +96,10 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             ``prepare`` shards models with FSDP2 instead of wrapping them in DDP. None reads
             ``ACCELERATE_USE_FSDP`` and ``FSDP_*``, as Accelerate does (``nblaunch launch --use_fsdp``,
             a config file's ``fsdp_config``, ``accelerate launch --use_fsdp``).
+        deepspeed_plugin: a :class:`~nblaunch.utils.DeepSpeedPlugin` (or Accelerate's): ``prepare``
+            hands the model, optimizer and scheduler to DeepSpeed's engine (ZeRO stages 1-3,
+            offload), on GPUs and CPU ranks alike; needs ``pip install "nblaunch[deepspeed]"``.
+            None reads ``ACCELERATE_USE_DEEPSPEED`` and ``ACCELERATE_DEEPSPEED_*``.
 
     Example::
 
@@ -120,9 +125,16 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         log_with: Any = None,
         rng_types: list[str] | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | Any = None,
+        deepspeed_plugin: DeepSpeedPlugin | Any = None,
         **kwargs: Any,
     ) -> None:
+        deepspeed_plugin = _one_deepspeed_plugin(deepspeed_plugin, kwargs.pop("deepspeed_plugins", None))
+        if kwargs.get("megatron_lm_plugin") is not None:
+            raise NotImplementedError("Accelerator(megatron_lm_plugin=...): Megatron-LM is not supported by nblaunch; "
+                                      "for tensor parallelism give parallelism_config=ParallelismConfig(tp_size=...)")
         for name, value in kwargs.items():
+            if name == "megatron_lm_plugin":
+                continue
             if name in _UNSUPPORTED:
                 if value not in (None, False, "no", "NO"):
                     raise NotImplementedError(f"Accelerator({name}=...) is not supported by nblaunch")
@@ -138,10 +150,10 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
         check_supported(self.mixed_precision, self.device)
         self._autocast_dtype = autocast_dtype(self.mixed_precision)
-        if fsdp_plugin is None:
-            fsdp_plugin = fsdp_plugin_from_environment()  # None unless the launch asked for FSDP
-        self.fsdp_plugin = fsdp_plugin
-        self.state.fsdp_plugin = fsdp_plugin
+        if fsdp_plugin is None and deepspeed_plugin is None:  # None unless the launch asked for one
+            fsdp_plugin = fsdp_plugin_from_environment()
+            deepspeed_plugin = deepspeed_plugin_from_environment()
+        self.fsdp_plugin = self.state.fsdp_plugin = fsdp_plugin
 
         config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
         refuse_unsupported(config)
@@ -171,7 +183,12 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
                 raise TypeError(f"unsupported kwargs handler {type(handler).__name__}")
 
         # How models are spread over the ranks, chosen once; each stack refuses bad settings here.
-        self._strategy = pick_strategy(self.state, self.mixed_precision, self.ddp_options, fsdp_plugin)
+        self._strategy = pick_strategy(self.state, self.mixed_precision, self.ddp_options, fsdp_plugin,
+                                       deepspeed_plugin, config.split_batches)
+        self.deepspeed_plugin = self.state.deepspeed_plugin = getattr(self._strategy, "plugin", None)
+        if not self._strategy.native_amp():  # DeepSpeed: its config's precision, no autocast or GradScaler
+            self.mixed_precision = self.deepspeed_plugin.config_precision()
+            self._autocast_dtype = None
 
         self.sync_each_batch = False
         if gradient_accumulation_plugin is not None:
@@ -187,7 +204,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.gradient_state = GradientState(steps, sync_with_dataloader)
 
         self.scaler = None
-        if self.mixed_precision == "fp16":
+        if self.mixed_precision == "fp16" and self._strategy.native_amp():
             self.scaler = make_grad_scaler(self.device, **scaler_kwargs)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.step_scheduler_per_process = step_scheduler_per_process
@@ -212,6 +229,21 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         return (f"Accelerator(process {self.process_index}/{self.num_processes}, device={self.device}, "
                 f"mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _one_deepspeed_plugin(plugin: Any, plugins: Any) -> Any:
+    """``deepspeed_plugin``, or ``deepspeed_plugins`` (Accelerate's alias, a dict of named ones)
+    holding one; several plugins to switch between are refused."""
+    if plugins is None:
+        return plugin
+    if plugin is not None:
+        raise ValueError("give deepspeed_plugin or deepspeed_plugins, not both")
+    if isinstance(plugins, dict):
+        if len(plugins) != 1:
+            raise NotImplementedError(f"deepspeed_plugins with {len(plugins)} plugins (switching between them) is not "
+                                      "supported by nblaunch: give one deepspeed_plugin")
+        return next(iter(plugins.values()))
+    return plugins
 
 
 def _group_arguments(group: InitProcessGroupKwargs | None) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class AcceleratorHost:
     device_placement: bool
     mixed_precision: str
     fsdp_plugin: Any
+    deepspeed_plugin: Any  # the DeepSpeedPlugin the strategy trains with, else None
     dataloader_config: DataLoaderConfiguration
     rng_types: list[str]
     ddp_options: DistributedDataParallelKwargs

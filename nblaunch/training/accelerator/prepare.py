@@ -44,6 +44,7 @@ class PrepareMethods(AcceleratorHost):
         together = self._strategy.prepare_together(args, self.gradient_state)  # DeepSpeed's engine
         for i, replacement in together.items():
             results[i] = replacement
+            self._record(replacement)
         # Models first: optimizers need their new parameters (XLA, FSDP). Schedulers last: they
         # need the prepared optimizers.
         for i, obj in enumerate(args):
@@ -56,6 +57,15 @@ class PrepareMethods(AcceleratorHost):
             if _is_scheduler(obj) and i not in together:
                 results[i] = self.prepare_scheduler(obj)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _record(self, prepared: Any) -> None:
+        """Keep what a strategy prepared together in the lists checkpoints and ``free_memory`` read."""
+        if isinstance(prepared, torch.nn.Module):
+            self._models.append(prepared)
+        elif isinstance(prepared, AcceleratedOptimizer):
+            self._optimizers.append(prepared)
+        elif isinstance(prepared, AcceleratedScheduler):
+            self._schedulers.append(prepared)
 
     def _prepare_one(self, obj: Any, place: bool | None) -> Any:
         if isinstance(obj, torch.optim.Optimizer):

@@ -113,7 +113,7 @@ class TrainingStepMethods(AcceleratorHost):
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         parameters = list(parameters)
         self._finish_gradients(parameters)
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self._strategy.clip_grad_value_(parameters, clip_value)
 
     def _finish_gradients(self, parameters: list) -> None:
         """Make the gradients final before clipping: unscaled (fp16), averaged (XLA)."""

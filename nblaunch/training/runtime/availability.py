@@ -216,7 +216,7 @@ def is_pippy_available() -> bool:
 
 
 def is_deepspeed_available() -> bool:
-    """Whether DeepSpeed is installed (nblaunch's Accelerator refuses ``deepspeed_plugin``)."""
+    """Whether DeepSpeed is installed (``Accelerator(deepspeed_plugin=...)`` needs it)."""
     return _installed("deepspeed")
 
 

@@ -21,7 +21,7 @@ from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.strategy import sharded_layout
 from nblaunch.training.strategy.written import Written
 
-__all__ = ["Strategy", "Written"]
+__all__ = ["Strategy", "Written", "deepspeed_tag"]
 
 
 class Strategy:
@@ -69,6 +69,13 @@ class Strategy:
         engine does it itself)."""
         return True
 
+    def clip_grad_value_(self, parameters: list, clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def native_amp(self) -> bool:
+        """Whether the Accelerator's autocast and fp16 GradScaler apply (DeepSpeed has its own)."""
+        return True
+
     def clip_grad_norm_(self, parameters: list, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip and return the total norm (over every rank's shards for a sharded model)."""
         return total_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
@@ -93,8 +100,16 @@ class Strategy:
         holds instead), or None."""
         if os.path.isdir(os.path.join(input_dir, sharded_layout.sharded_model_dir(i))):
             return "a sharded model (saved with an fsdp_plugin): load it the same way, with Accelerator(fsdp_plugin=...)"
+        if os.path.isdir(os.path.join(input_dir, deepspeed_tag(i))):
+            return (f"a DeepSpeed checkpoint ({deepspeed_tag(i)}/): load it the same way, with "
+                    "Accelerator(deepspeed_plugin=...)")
         return None
 
     def describe(self) -> str:
         """One line for ``repr`` and errors."""
         return type(self).__name__
+
+
+def deepspeed_tag(i: int) -> str:
+    """The folder DeepSpeed's ``save_checkpoint`` writes model ``i`` to, as Accelerate names it."""
+    return "pytorch_model" if i == 0 else f"pytorch_model_{i}"

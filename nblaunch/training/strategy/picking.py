@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nblaunch.training.options.deepspeed_plugin import adopt_deepspeed_plugin
 from nblaunch.training.options.fsdp_plugin import sharding_settings
 from nblaunch.training.options.kwargs import DistributedDataParallelKwargs
 from nblaunch.training.runtime.state import DistributedType, PartialState
@@ -22,9 +23,20 @@ __all__ = ["pick_strategy"]
 
 
 def pick_strategy(state: PartialState, mixed_precision: str, ddp_options: DistributedDataParallelKwargs,
-                    fsdp_plugin: Any = None) -> Strategy:
+                  fsdp_plugin: Any = None, deepspeed_plugin: Any = None, split_batches: bool = False) -> Strategy:
     """The strategy for these arguments; each stack's own checks run here, before any step."""
     on_xla = state.distributed_type is DistributedType.XLA
+    asked = [name for name, plugin in (("fsdp_plugin", fsdp_plugin), ("deepspeed_plugin", deepspeed_plugin))
+             if plugin is not None]
+    if len(asked) > 1:
+        raise ValueError(f"Accelerator got {' and '.join(asked)}: one stack spreads a model; keep one "
+                         "(FSDP2 and ZeRO-3 both shard parameters, gradients and optimizer state)")
+    if deepspeed_plugin is not None:
+        if on_xla:
+            raise NotImplementedError("deepspeed_plugin is not supported on XLA devices")
+        # deferred: the DeepSpeed strategy's module is loaded only for DeepSpeed (it needs the extra)
+        from nblaunch.training.strategy.deepspeed_engine import DeepSpeedStrategy
+        return DeepSpeedStrategy(adopt_deepspeed_plugin(deepspeed_plugin), state, mixed_precision, split_batches)
     if fsdp_plugin is not None:
         if on_xla:
             raise NotImplementedError("fsdp_plugin is not supported on XLA devices by nblaunch")
