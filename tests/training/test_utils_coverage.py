@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import types
 from pathlib import Path
@@ -30,6 +31,8 @@ def test_every_accelerate_utils_name_is_provided_or_explained():
     stale = [name for name in provided if f"`{name}`" in reasons]
     assert not unexplained, f"neither in nblaunch.utils nor explained in docs/accelerate-utils.md: {unexplained}"
     assert not stale, f"listed as not provided, but nblaunch.utils has them: {stale}"
+    if importlib.util.find_spec("deepspeed") is None:
+        return  # accelerate.utils shows its DeepSpeed names only beside DeepSpeed; the count is with it
     claim = re.search(r"\*\*(\d+) of (\d+)\*\*", DOC)
     assert (int(claim[1]), int(claim[2])) == (len(provided), len(names)), "update the count in docs/accelerate-utils.md"
 
