@@ -30,7 +30,7 @@ from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.deepspeed_config import HfDeepSpeedConfig
 from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
-from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
+from nblaunch.training.options.kwargs import (AORecipeKwargs, AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                               DistributedDataParallelKwargs, GradientAccumulationPlugin,
                                               GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs,
                                               RNGType)
@@ -49,7 +49,7 @@ from nblaunch.training.strategy.deepspeed_wrappers import (DeepSpeedEngineWrappe
 from nblaunch.training.tracking.general_tracker import LoggerType
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType",
+    "AORecipeKwargs", "AutocastKwargs", "DataLoaderConfiguration", "FullyShardedDataParallelPlugin", "DDPCommunicationHookType",
     "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
     "KwargsHandler", "PrecisionType", "RNGType", "ProfileKwargs", "ProjectConfiguration", "LoggerType",
     "DistributedType", "DistributedOperationException", "CannotPadNestedTensorWarning",

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -68,11 +69,17 @@ def test_one_rank_is_a_launch_like_any_other(recorder):
 
 
 def test_fp8_is_refused_before_anything_starts_where_it_cannot_run(one_gpu, monkeypatch):
-    with pytest.raises(LaunchConfigError, match="'fp8' needs CUDA GPUs .* use 'bf16' or 'no'"):
-        notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8", cpu=True)
-    monkeypatch.setattr(plan, "FP8_BACKENDS", ("no_such_fp8_backend",))
-    with pytest.raises(LaunchConfigError, match="nblaunch's Accelerator does not do fp8. Use mixed_precision='bf16'"):
+    monkeypatch.setattr(devices, "cuda_capability", lambda: (7, 5))  # a T4: no fp8 units
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(LaunchConfigError, match=r"fp8 units \(compute capability 8.9 and later\); this machine's are "
+                                                r"7.5: use 'bf16' .* or cpu=True"):
         notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8")
+    real_find_spec = plan.importlib.util.find_spec
+    monkeypatch.setattr(plan.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "torchao" else real_find_spec(name, *rest))
+    with pytest.raises(LaunchConfigError, match=r'not installed: pip install "nblaunch\[fp8\]"'):
+        notebook_launcher(where_am_i, num_processes=1, mixed_precision="fp8", cpu=True)
+    assert psutil.Process().children(recursive=True) == before  # refused before any process
 
 
 @pytest.mark.parametrize("option", [{"mixed_precision": "bf16"}, {"start_method": "spawn"}, {"use_port": 29555},

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 import resource
 import sys
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ def plan_here(request: LaunchRequest) -> LaunchPlan:
             f"{num_processes} ranks on the CPU (to try or debug distributed code)."
         )
     precision = decided_precision(r.mixed_precision, device_kind, devices.cuda_capability() if gpus else None)
-    check_fp8(precision, device_kind)
+    check_fp8(precision, device_kind, devices.cuda_capability() if gpus else None)
     check_open_files(num_processes)
     method, reason = start_method_for(r.start_method, r.cpu)
     threads = threads_per_worker(num_processes)
@@ -233,22 +234,22 @@ def _xla_plan(request: LaunchRequest) -> LaunchPlan:
     )
 
 
-FP8_BACKENDS = ("transformer_engine", "torchao", "msamp")  # what Accelerate's fp8 runs on
-
-
-def check_fp8(mixed_precision: str, device_kind: str) -> None:
-    """Refuse fp8 where no rank could run it: nblaunch's own Accelerator has no fp8, and
-    Accelerate's needs CUDA GPUs and one of its fp8 backends installed."""
+def check_fp8(mixed_precision: str, device_kind: str, capability: tuple[int, int] | None = None) -> None:
+    """Say before any process starts where fp8 cannot run or runs slowly: it trains through torchao
+    (the ``nblaunch[fp8]`` extra), fast on GPUs of compute capability 8.9 on, emulated on the CPU."""
     if mixed_precision != "fp8":
         return
-    if device_kind != "cuda":
-        raise LaunchConfigError("mixed_precision='fp8' needs CUDA GPUs (Ada or Hopper and later); "
-                                "on this machine use 'bf16' or 'no'")
-    if not any(importlib.util.find_spec(name) for name in FP8_BACKENDS):
-        raise LaunchConfigError(
-            "mixed_precision='fp8' runs only with Hugging Face Accelerate's own Accelerator and one of its fp8 "
-            f"backends ({', '.join(FP8_BACKENDS)}), and none is installed here; nblaunch's Accelerator does "
-            "not do fp8. Use mixed_precision='bf16', or install an fp8 backend and use accelerate.Accelerator.")
+    if importlib.util.find_spec("torchao") is None:
+        raise LaunchConfigError('mixed_precision=\'fp8\' trains through torchao, which is not installed: '
+                                'pip install "nblaunch[fp8]" (or use mixed_precision=\'bf16\')')
+    if device_kind == "cuda" and capability is not None and capability < (8, 9):
+        raise LaunchConfigError(f"mixed_precision='fp8' needs GPUs with fp8 units (compute capability 8.9 and "
+                                f"later); this machine's are {capability[0]}.{capability[1]}: use 'bf16' (or 'fp16' "
+                                "where bf16 is emulated), or cpu=True to try fp8 emulated on the CPU")
+    if device_kind == "cpu":
+        warnings.warn("mixed_precision='fp8' on the CPU: torchao emulates the float8 matmuls, which trains as on an "
+                      "fp8 GPU and is no faster (fp8 is fast on GPUs of compute capability 8.9 and later)",
+                      stacklevel=5)
 
 
 # Open files the launcher holds per rank: 4 pipe ends, a pidfd, a log file (and, while a rank

@@ -39,7 +39,7 @@ from nblaunch.training.model.mixed_precision import autocast_dtype, check_suppor
 from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, deepspeed_plugin_from_environment
 from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
-from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
+from nblaunch.training.options.kwargs import (AORecipeKwargs, AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                               GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                               ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.options.project import ProjectConfiguration, project_configuration
@@ -170,6 +170,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         scaler_kwargs: dict[str, Any] = {}
         self.autocast_kwargs = {}
         self.profile_handler = None
+        self.fp8_recipe = None
         for handler in handlers:
             if isinstance(handler, DistributedDataParallelKwargs):
                 self.ddp_options = handler
@@ -179,6 +180,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
                 self.autocast_kwargs = handler.to_kwargs()
             elif isinstance(handler, ProfileKwargs):
                 self.profile_handler = handler
+            elif isinstance(handler, AORecipeKwargs):
+                self.fp8_recipe = handler
             elif not isinstance(handler, InitProcessGroupKwargs):
                 raise TypeError(f"unsupported kwargs handler {type(handler).__name__}")
 
@@ -186,6 +189,13 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self._strategy = pick_strategy(self.state, self.mixed_precision, self.ddp_options, fsdp_plugin,
                                        deepspeed_plugin, config.split_batches)
         self.deepspeed_plugin = self.state.deepspeed_plugin = getattr(self._strategy, "plugin", None)
+        if self.mixed_precision == "fp8":
+            if self.deepspeed_plugin is not None:
+                raise NotImplementedError("mixed_precision='fp8' with a deepspeed_plugin is not supported by nblaunch: "
+                                          "train DeepSpeed in 'bf16', or fp8 with DDP or an fsdp_plugin")
+            self.fp8_recipe = self.fp8_recipe or AORecipeKwargs()  # torchao's, as Accelerate picks it first
+        elif self.fp8_recipe is not None:
+            raise ValueError("AORecipeKwargs is fp8's recipe: give it with mixed_precision='fp8'")
         if not self._strategy.native_amp():  # DeepSpeed: its config's precision, no autocast or GradScaler
             self.mixed_precision = self.deepspeed_plugin.config_precision()
             self._autocast_dtype = None

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from nblaunch.training.data.prepared import PreparedDataLoader
     from nblaunch.training.model.placement import ReplacedParameters
     from nblaunch.training.options.project import ProjectConfiguration
-    from nblaunch.training.options.kwargs import DataLoaderConfiguration, DistributedDataParallelKwargs, ProfileKwargs
+    from nblaunch.training.options.kwargs import AORecipeKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs, ProfileKwargs
     from nblaunch.training.step.accumulation import Accumulate
     from nblaunch.training.step.gradient_state import GradientState
     from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -46,6 +46,7 @@ class AcceleratorHost:
     device_placement: bool
     mixed_precision: str
     fsdp_plugin: Any
+    fp8_recipe: AORecipeKwargs | None  # mixed_precision='fp8': which Linear layers torchao converts, how
     deepspeed_plugin: Any  # the DeepSpeedPlugin the strategy trains with, else None
     dataloader_config: DataLoaderConfiguration
     rng_types: list[str]

@@ -20,6 +20,7 @@ from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.data.loaders import build_prepared_loader
 from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batches
 from nblaunch.training.model import placement
+from nblaunch.training.model import fp8
 from nblaunch.training.model.fsdp import is_sharded
 from nblaunch.training.model.mixed_precision import AutocastForward
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -93,6 +94,8 @@ class PrepareMethods(AcceleratorHost):
             device_placement = self.device_placement
         trainable = not evaluation_mode and not self._on_xla and any(p.requires_grad for p in model.parameters())
         strategy = self._strategy
+        if self.fp8_recipe is not None and trainable:  # before sharding: FSDP2 then shards the fp8 layers
+            model = fp8.convert_to_fp8(model, self.fp8_recipe, sharded=self.is_fsdp2)
         before = dict(model.named_parameters())
         if device_placement and strategy.places(trainable):
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
@@ -124,6 +127,9 @@ class PrepareMethods(AcceleratorHost):
             device_placement = self.device_placement
         self._replaced_parameters.switch(optimizer)
         self._strategy.check_optimizer(self._models, optimizer)  # e.g. one over a sharded model and more
+        for model in self._models:
+            if is_sharded(model) and fp8.gathers_in_fp8(model) and fp8.trains(optimizer, model):
+                fp8.rescale_after_step(optimizer, model)
         if device_placement and self._on_xla:
             placement.check_on_xla(optimizer)
         if device_placement and self.device.type != "cpu" and optimizer.state:

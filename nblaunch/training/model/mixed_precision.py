@@ -1,12 +1,13 @@
 """Mixed precision: which mode, the autocast context, the model-forward wrapper, the GradScaler.
 
-Modes are ``"no"``, ``"fp16"`` and ``"bf16"``, read with the vocabulary every side shares
+Modes are ``"no"``, ``"fp16"``, ``"bf16"`` and ``"fp8"`` (torchao's float8 Linear layers, ``fp8``), read with the vocabulary every side shares
 (``nblaunch.contract.precision``). ``mixed_precision=None`` reads ``NBLAUNCH_MIXED_PRECISION``
 (set by the launcher from its own ``mixed_precision=``), so the launcher's choice reaches every
 worker; an explicit argument wins.
 
 fp16 works for real on the CPU too (CPU autocast to float16 and ``torch.amp.GradScaler("cpu")``),
-it is never silently ignored. fp8 is refused with a clear error, and so is fp16 on XLA devices
+it is never silently ignored. fp8 needs torchao, and says so where it only emulates (the CPU) or
+cannot run (a GPU without fp8 units); fp16 is refused on XLA devices
 (TPUs compute in bf16; ``bf16`` autocasts on the XLA device).
 """
 
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from nblaunch.contract.precision import AUTO, BF16_HARDWARE, fast_precision, parse_precision, precision_from_environ
+from nblaunch.training.model.fp8 import check_fp8_device, require_torchao
 from nblaunch.training.runtime.tree import recursively_apply
 
 __all__ = ["resolve_mixed_precision", "autocast_dtype", "AutocastForward", "convert_outputs_to_fp32",
@@ -26,15 +28,10 @@ __all__ = ["resolve_mixed_precision", "autocast_dtype", "AutocastForward", "conv
 def resolve_mixed_precision(value: str | None, device: torch.device) -> str:
     """The mode to use on ``device``: ``value`` if given, else the launch's
     (``NBLAUNCH_MIXED_PRECISION``), else ``"no"``; "auto" is the one ``device`` computes fast.
-    An unknown word is a ``ValueError``; fp8, a word this Accelerator cannot run, is a
-    ``NotImplementedError`` that says what to use."""
+    An unknown word is a ``ValueError``."""
     mode = precision_from_environ() if value is None else parse_precision(value)
     if mode == AUTO:
         mode = fast_precision(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    if mode == "fp8":
-        raise NotImplementedError(
-            "mixed_precision='fp8' is not supported by nblaunch's Accelerator; use 'bf16' or 'fp16' (or "
-            "Accelerate's own Accelerator with an fp8 backend).")
     return mode
 
 
@@ -48,7 +45,8 @@ def bf16_in_hardware(device: torch.device) -> bool:
 
 
 def autocast_dtype(mode: str) -> torch.dtype | None:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
+    # fp8: the float8 matmuls are torchao's; the rest of the forward runs in bf16, as under Accelerate.
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(mode)
 
 
 def check_supported(mode: str, device: torch.device) -> None:
@@ -56,6 +54,9 @@ def check_supported(mode: str, device: torch.device) -> None:
 
     Example: ``check_supported("fp16", torch.device("xla", 0))`` raises ``ValueError``.
     """
+    if mode == "fp8":
+        require_torchao()
+        check_fp8_device(device)
     if mode == "fp16" and device.type == "xla":
         raise ValueError("mixed_precision='fp16' is not supported on XLA devices (no GradScaler "
                          "there, and TPUs compute in bf16): use 'bf16' or 'no'")

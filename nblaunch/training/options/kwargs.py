@@ -23,7 +23,7 @@ from nblaunch.contract.precision import ListedEnum
 __all__ = [
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs", "AutocastKwargs",
     "InitProcessGroupKwargs", "ProfileKwargs", "GradientAccumulationPlugin", "DDPCommunicationHookType",
-    "KwargsHandler", "RNGType", "adopt", "refuse_unsupported",
+    "KwargsHandler", "RNGType", "AORecipeKwargs", "adopt", "refuse_unsupported",
 ]
 
 
@@ -156,9 +156,24 @@ class GradientAccumulationPlugin:
     sync_each_batch: bool = False
 
 
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """fp8 training through torchao (``mixed_precision="fp8"``): ``config`` a torchao
+    ``Float8LinearConfig`` (None: torchao's, with fp8 all-gathers under FSDP on GPUs), and
+    ``module_filter_func(module, name) -> bool`` which Linear layers to convert (None: every
+    Linear but the model's first and last, with both sizes divisible by 16, as Accelerate)."""
+
+    config: Any = None
+    module_filter_func: Any = None
+
+
+# Accelerate's other fp8 recipes: their backends are not nblaunch's.
+_OTHER_FP8_RECIPES = {"TERecipeKwargs": "TransformerEngine", "MSAMPRecipeKwargs": "MS-AMP",
+                      "FP8RecipeKwargs": "TransformerEngine or MS-AMP"}
+
 _OURS = {cls.__name__: cls for cls in (
     DataLoaderConfiguration, DistributedDataParallelKwargs, GradScalerKwargs, AutocastKwargs,
-    InitProcessGroupKwargs, ProfileKwargs, GradientAccumulationPlugin,
+    InitProcessGroupKwargs, ProfileKwargs, GradientAccumulationPlugin, AORecipeKwargs,
 )}
 
 
@@ -171,7 +186,11 @@ def adopt(obj: Any) -> Any:
         from accelerate.utils import DistributedDataParallelKwargs as Theirs
         adopt(Theirs(find_unused_parameters=True)).find_unused_parameters   # True
     """
-    ours = _OURS.get(type(obj).__name__)
+    name = type(obj).__name__
+    if name in _OTHER_FP8_RECIPES:
+        raise NotImplementedError(f"{name} ({_OTHER_FP8_RECIPES[name]} fp8) is not supported by nblaunch: give "
+                                  "AORecipeKwargs() for fp8 through torchao (pip install \"nblaunch[fp8]\")")
+    ours = _OURS.get(name)
     if ours is None:
         raise TypeError(f"unsupported configuration object {type(obj).__module__}.{type(obj).__qualname__}")
     if isinstance(obj, ours):

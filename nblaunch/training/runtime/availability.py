@@ -28,7 +28,7 @@ __all__ = ["is_bf16_available", "is_fp16_available", "is_fp8_available", "is_cud
            "is_deepspeed_available", "is_bnb_available", "is_torch_version", "compare_versions",
            "is_rocm_available", "is_musa_available", "is_sdaa_available", "is_neuron_available", "is_habana_gaudi1",
            "is_weights_only_available", "is_torchdata_stateful_dataloader_available", "is_schedulefree_available",
-           "is_lomo_available", "is_pippy_available"]
+           "is_lomo_available", "is_pippy_available", "is_torchao_available"]
 
 
 def _installed(name: str) -> bool:
@@ -50,7 +50,12 @@ def is_fp16_available() -> bool:
 
 
 def is_fp8_available() -> bool:
-    return False  # nblaunch's Accelerator has no fp8 (mixed_precision="fp8" is refused)
+    """Whether ``mixed_precision="fp8"`` can train here: torchao, its one backend in nblaunch, is installed."""
+    return is_torchao_available()
+
+
+def is_torchao_available() -> bool:
+    return _installed("torchao")
 
 
 def is_mps_available(min_version: str = "1.12") -> bool:

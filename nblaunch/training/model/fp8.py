@@ -1,0 +1,99 @@
+"""fp8 training through torchao (``mixed_precision="fp8"``): the model's Linear layers become
+``Float8Linear`` (matmuls in float8 with dynamic scales; weights and optimizer stay fp32), the
+same ones Accelerate's torchao path converts, and the rest of the forward runs under bf16
+autocast as there. Fast only on GPUs with fp8 units (compute capability 8.9 and later);
+torchao emulates it elsewhere (the CPU), which trains and is no faster.
+
+Example::
+
+    model = convert_to_fp8(model, AORecipeKwargs(), sharded=False)
+    [type(m).__name__ for m in model.modules()]   # Linear, Float8Linear, ..., Linear
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from nblaunch.training.options.kwargs import AORecipeKwargs
+
+__all__ = ["require_torchao", "check_fp8_device", "convert_to_fp8", "accelerates_filter", "has_fp8_layers",
+           "rescale_after_step", "gathers_in_fp8", "trains",
+           "FP8_CAPABILITY"]
+
+INSTALL = 'pip install "nblaunch[fp8]"'
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper on: the first GPUs with fp8 tensor cores
+
+
+def require_torchao() -> None:
+    """Refuse, naming the extra to install, where torchao cannot be imported."""
+    try:
+        import torchao.float8  # noqa: F401  (deferred: the optional fp8 extra)
+    except ImportError as error:
+        raise ImportError(f"mixed_precision='fp8' trains through torchao, which is not installed: {INSTALL} "
+                          f"({error})") from None
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Where fp8 cannot run, an error naming the device; where torchao only emulates it, a warning."""
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_CAPABILITY:
+            raise ValueError(f"mixed_precision='fp8' needs a GPU with fp8 units (compute capability 8.9 and later); "
+                             f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use 'bf16' "
+                             "(or 'fp16' where bf16 is emulated)")
+        return
+    if device.type != "cpu":
+        raise ValueError(f"mixed_precision='fp8' runs on CUDA GPUs (and, emulated, the CPU), not on {device.type}")
+    warnings.warn("mixed_precision='fp8' on the CPU: torchao emulates the float8 matmuls, which trains as on an fp8 "
+                  "GPU and is no faster (fp8 is fast on GPUs of compute capability 8.9 and later)", stacklevel=4)
+
+
+def accelerates_filter(model: torch.nn.Module) -> Callable[[torch.nn.Module, str], bool]:
+    """Every Linear but the model's first and last, both sizes divisible by 16 (Accelerate's default)."""
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    kept = {linears[0], linears[-1]} if linears else set()
+
+    def convert(module: torch.nn.Module, name: str) -> bool:
+        if not isinstance(module, torch.nn.Linear) or name in kept:
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return convert
+
+
+def has_fp8_layers(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: AORecipeKwargs, sharded: bool) -> torch.nn.Module:
+    """The model with its Linear layers converted in place (once); ``sharded``: FSDP2 will shard
+    it, so the weights are all-gathered in fp8 on GPUs (torchao's recipe for FSDP)."""
+    if has_fp8_layers(model):
+        return model
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # deferred: the optional extra
+    config = recipe.config
+    if config is None:
+        on_gpu = any(p.device.type == "cuda" for p in model.parameters()) or torch.cuda.is_available()
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded and on_gpu)
+    module_filter: Any = recipe.module_filter_func or accelerates_filter(model)
+    return convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
+
+
+def gathers_in_fp8(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 all-gathers this model's fp8 weights in fp8 (their scales then follow each step)."""
+    return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
+               for m in model.modules() if type(m).__name__ == "Float8Linear")
+
+
+def trains(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
+    mine = {id(p) for p in model.parameters()}
+    return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+
+def rescale_after_step(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """With fp8 all-gathers under FSDP2 the weights' scales are computed once per step, after it."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # deferred: the optional extra
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
