@@ -43,6 +43,7 @@ _TRAINING_NAMES = {
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
     "DDPCommunicationHookType", "AcceleratorState", "prepare_data_loader", "SeedableRandomSampler",
     "DataLoaderDispatcher", "LocalSGD", "FullyShardedDataParallelPlugin", "reset_process_state",
+    "ParallelismConfig",
 }
 
 
@@ -98,6 +99,7 @@ __all__ = [
     "ProfileKwargs",
     "DDPCommunicationHookType",
     "FullyShardedDataParallelPlugin",
+    "ParallelismConfig",
     "reset_process_state",
     "AcceleratorState",
     "prepare_data_loader",

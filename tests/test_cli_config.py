@@ -5,6 +5,7 @@ into the test's own folder: the real user's ``~/.cache`` is never read."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -139,7 +140,10 @@ def test_unknown_keys_are_named_in_one_warning_and_the_launch_goes_on(tmp_path):
 def test_what_nblaunch_does_not_do_is_refused_before_anything_starts(tmp_path):
     write(tmp_path, "report.py", REPORT)
     cases = {
-        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n": "DeepSpeed (distributed_type: DEEPSPEED",
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  frobnicate: 1\n":
+            "deepspeed_config.frobnicate is not a DeepSpeed setting nblaunch knows",
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  offload_optimizer_device: disk\n":
+            "offload_optimizer_device='disk'): give one of ('none', 'cpu', 'nvme')",
         "distributed_type: MEGATRON_LM\n": "Megatron-LM",
         "distributed_type: MULTI_GPU\ndynamo_config:\n  dynamo_backend: INDUCTOR\n": "compile in the script",
         "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: NO\n": "use accelerate launch for SageMaker",
@@ -162,6 +166,34 @@ def test_what_nblaunch_does_not_do_is_refused_before_anything_starts(tmp_path):
     config = write(tmp_path, "gpus.yaml", "distributed_type: MULTI_GPU\nnum_processes: 1\ngpu_ids: 0\n")
     done = nblaunch("--config_file", config, "report.py", cwd=tmp_path, CUDA_VISIBLE_DEVICES="1")
     assert done.returncode == 2 and "gpu_ids: 0 and CUDA_VISIBLE_DEVICES=1 disagree" in done.stderr
+
+
+def test_a_deepspeed_config_reaches_every_ranks_accelerator(tmp_path):
+    if importlib.util.find_spec("deepspeed") is None:  # not imported here: DeepSpeed's import sets variables
+        pytest.skip("DeepSpeed is not installed")
+    write(tmp_path, "report.py", """
+        from nblaunch import Accelerator
+
+        accelerator = Accelerator()
+        plugin = accelerator.deepspeed_plugin
+        print(accelerator.distributed_type.value, plugin.zero_stage, plugin.offload_optimizer_device,
+              plugin.deepspeed_config["gradient_clipping"])
+    """)
+    config = write(tmp_path, "deepspeed.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: DEEPSPEED
+        num_processes: 2
+        deepspeed_config:
+          zero_stage: 3
+          offload_optimizer_device: cpu
+          gradient_clipping: 0.5
+          zero3_init_flag: false
+          deepspeed_multinode_launcher: standard
+    """)
+    done = nblaunch("--config_file", config, "report.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    reports = [line.split()[-4:] for line in rank_lines(done.stdout) if "DEEPSPEED" in line]  # DeepSpeed talks too
+    assert reports == [["DEEPSPEED", "3", "cpu", "0.5"]] * 2
 
 
 def test_gpu_ids_become_cuda_visible_devices_in_every_rank(tmp_path):

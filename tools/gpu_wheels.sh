@@ -25,7 +25,13 @@ PINS=(
     stack_data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 ipython_pygments_lexers==1.1.1
     fastjsonschema==2.22.3 jsonschema==4.26.0 jsonschema_specifications==2025.9.1 referencing==0.37.0
     rpds_py==2026.9.1 widgetsnbextension==4.0.16 jupyterlab_widgets==3.0.17
+    # The stacks for models bigger than a device (tests/gpu/test_gpu_7_stretch.py): torchao for fp8,
+    # DeepSpeed (built here from its source package: it publishes no wheel; pure Python, its ops
+    # compile on the GPU machine on first use) and what DeepSpeed needs beyond torch.
+    torchao==0.18.0 deepspeed==0.19.8 hjson==3.1.0 py_cpuinfo==9.0.0 ninja==1.13.2 einops==0.8.2
+    msgpack==1.2.4 pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5
 )
+BUILT_HERE=(deepspeed)  # source packages only: built into a wheel with this interpreter's pip
 PYTHON=${PYTHON:-python3}
 mkdir -p .whl
 
@@ -40,6 +46,10 @@ for pin in "${PINS[@]}"; do
     name=${pin%%==*}; version=${pin#*==}
     wanted+=("$name-$version-")
     if compgen -G ".whl/$name-$version-*.whl" >/dev/null; then
+        continue
+    fi
+    if [[ " ${BUILT_HERE[*]} " == *" $name "* ]]; then
+        "$PYTHON" -m pip wheel -q --no-deps -w .whl "$name==$version"
         continue
     fi
     "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -12,7 +12,8 @@ Honoured: ``num_processes`` (Accelerate's count over every machine), ``num_machi
 ``machine_rank``, ``main_process_ip``, ``main_process_port``, ``mixed_precision``, ``use_cpu``,
 ``gpu_ids`` (as ``CUDA_VISIBLE_DEVICES``), ``distributed_type`` (NO: one process; MULTI_CPU: on the
 CPU; FSDP: ``fsdp_config`` reaches every rank's Accelerator as Accelerate's ``FSDP_*`` variables),
-and keys with nothing to do here. DeepSpeed, Megatron-LM, dynamo and the like are refused with
+and keys with nothing to do here; DEEPSPEED: ``deepspeed_config`` reaches every rank as Accelerate's
+``ACCELERATE_DEEPSPEED_*`` variables (``cli/deepspeed_file``). Megatron-LM, dynamo and the like are refused with
 what to do; keys nblaunch does not know are named in one warning.
 
 Example::
@@ -31,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from nblaunch.cli.deepspeed_file import deepspeed_environ
 from nblaunch.contract.precision import AUTO, fast_precision, parse_precision
 from nblaunch.contract.variables import ACCELERATE_USE_FSDP, FSDP_VARIABLES
 from nblaunch.launch.planning.devices import cuda_capability, cuda_device_count
@@ -53,7 +55,7 @@ _KNOWN = {"mixed_precision", "fp16", "use_cpu", "num_processes", "distributed_ty
           "fp8_config", "parallelism_config", "mpirun_config", "tpu_use_cluster", "rdzv_backend",
           "debug", "downcast_bf16", "enable_cpu_affinity", "same_network", "main_training_function", "tpu_env",
           "tpu_use_sudo", "tpu_name", "tpu_zone", "tpu_vm", "command_file", "commands"}
-_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "XLA", "TPU")
+_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED", "XLA", "TPU")
 _ELSEWHERE = ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
 _OTHER_CONFIG = "use a config without it (accelerate config --config_file other.yaml, then --config_file other.yaml)"
 
@@ -69,6 +71,7 @@ class AccelerateConfig:
     distributed_type: str | None = None
     total_processes: int | None = None
     fsdp: dict[str, Any] = field(default_factory=dict)
+    deepspeed: dict[str, str] = field(default_factory=dict)  # the variables of its deepspeed_config
     unknown: list[str] = field(default_factory=list)
 
 
@@ -156,6 +159,11 @@ def read_config(path: str) -> AccelerateConfig:
     kind = raw.get("distributed_type")
     if kind is not None:
         config.distributed_type = _distributed_type(path, str(kind).upper())
+    if config.distributed_type == "DEEPSPEED" or raw.get("deepspeed_config"):
+        try:
+            config.deepspeed = deepspeed_environ(raw.get("deepspeed_config"), path)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     fsdp = raw.get("fsdp_config") or {}
     if not isinstance(fsdp, dict):
         raise ConfigError(f"{path}: fsdp_config: expected fsdp_...: value lines under it, found {fsdp!r}")
@@ -170,7 +178,8 @@ def read_config(path: str) -> AccelerateConfig:
 
 def apply_config(options: argparse.Namespace, config: AccelerateConfig | None) -> dict[str, str]:
     """Fill what the command line left unset (None) from ``config``, then nblaunch's defaults;
-    return the variables every rank gets (Accelerate's ``ACCELERATE_USE_FSDP`` and ``FSDP_*``).
+    return the variables every rank gets (Accelerate's ``ACCELERATE_USE_FSDP`` and ``FSDP_*``, or
+    ``ACCELERATE_USE_DEEPSPEED`` and ``ACCELERATE_DEEPSPEED_*``).
 
     Example: ``--mixed_precision no`` and a file saying ``bf16`` leave ``options.mixed_precision == "no"``.
     """
@@ -181,11 +190,15 @@ def apply_config(options: argparse.Namespace, config: AccelerateConfig | None) -
     for name, default in (("mixed_precision", "no"), ("node_rank", 0), ("master_addr", "127.0.0.1")):
         if getattr(options, name) is None:
             setattr(options, name, default)
+    deepspeed = dict(config.deepspeed) if config is not None else {}
+    if deepspeed and options.use_fsdp:
+        raise ConfigError(f"{config.path} asks for DeepSpeed and the command line for FSDP: one stack spreads a "
+                          "model; drop --use_fsdp or use a config without deepspeed_config")
     if not options.use_fsdp:
         if fsdp_flags:
             raise ConfigError(f"--{fsdp_flags[0]} only applies to FSDP: add --use_fsdp (or distributed_type: FSDP "
                               "in the config file)")
-        return {}
+        return deepspeed
     environ = {ACCELERATE_USE_FSDP: "true"}
     for key, variable in FSDP_VARIABLES.items():
         value = getattr(options, key)
@@ -252,9 +265,6 @@ def _refusals(raw: dict[str, Any], path: str) -> None:
         refuse(f"compute_environment: {raw['compute_environment']}", "nblaunch runs the ranks on this machine "
                "(or a Ray cluster); use accelerate launch for SageMaker")
     kind = str(raw.get("distributed_type") or "").upper()
-    if kind == "DEEPSPEED" or raw.get("deepspeed_config"):
-        refuse("DeepSpeed (distributed_type: DEEPSPEED, deepspeed_config)", "shard with FSDP instead "
-               f"(distributed_type: FSDP), or {_OTHER_CONFIG}")
     if kind == "MEGATRON_LM" or raw.get("megatron_lm_config"):
         refuse("Megatron-LM (distributed_type: MEGATRON_LM, megatron_lm_config)", _OTHER_CONFIG)
     dynamo = raw.get("dynamo_config") if isinstance(raw.get("dynamo_config"), dict) else {}
@@ -264,7 +274,8 @@ def _refusals(raw: dict[str, Any], path: str) -> None:
                "dynamo_config from the file")
     for key, why in (("fp8_config", "give the recipe in the script (Accelerator(mixed_precision='fp8', "
                                     "kwargs_handlers=[...]))"),
-                     ("parallelism_config", "tensor and context parallelism are not supported; remove it"),
+                     ("parallelism_config", "give the sizes in the script (Accelerator(parallelism_config="
+                                            "ParallelismConfig(tp_size=...))) and remove it from the file"),
                      ("mpirun_config", "nblaunch starts the ranks itself: remove it, and run nblaunch launch on "
                                        "each machine")):
         if raw.get(key):

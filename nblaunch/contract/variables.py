@@ -111,6 +111,7 @@ DEEPSPEED_VARIABLES = {
     "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
 }
 ACCELERATE_FP8_BACKEND = "ACCELERATE_FP8_BACKEND"  # "AO" (torchao), "TE", "MSAMP"
+ACCELERATE_USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"  # "true": Accelerator() builds one
 # Accelerate's ParallelismConfig sizes: the field and its variable.
 PARALLELISM_VARIABLES = {
     "dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",

@@ -15,6 +15,7 @@ from nblaunch.training.accelerator.core import Accelerator
 from nblaunch.training.data.loaders import DataLoaderDispatcher, SeedableRandomSampler, prepare_data_loader
 from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
+from nblaunch.training.options.parallelism import ParallelismConfig
 from nblaunch.training.options.kwargs import (AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
                                               DistributedDataParallelKwargs, GradientAccumulationPlugin,
                                               GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
@@ -31,7 +32,7 @@ __all__ = [
     "prepare_data_loader", "SeedableRandomSampler", "DataLoaderDispatcher", "LocalSGD",
     "DataLoaderConfiguration", "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs",
     "GradientAccumulationPlugin", "AutocastKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
-    "DDPCommunicationHookType", "set_seed", "skip_first_batches",
+    "DDPCommunicationHookType", "ParallelismConfig", "set_seed", "skip_first_batches",
     "gather", "gather_object", "reduce", "pad_across_processes", "broadcast",
     "broadcast_object_list", "send_to_device",
 ]

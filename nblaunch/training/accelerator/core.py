@@ -39,6 +39,7 @@ from nblaunch.training.model.mixed_precision import autocast_dtype, check_suppor
 from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, deepspeed_plugin_from_environment
 from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
+from nblaunch.training.options.parallelism import ParallelismConfig, parallelism_config_from_environment
 from nblaunch.training.options.kwargs import (AORecipeKwargs, AutocastKwargs, DataLoaderConfiguration, DistributedDataParallelKwargs,
                                               GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                               ProfileKwargs, adopt, refuse_unsupported)
@@ -53,8 +54,7 @@ __all__ = ["Accelerator"]
 
 
 # Accelerate arguments for features nblaunch does not have: refused when actually used.
-_UNSUPPORTED = ("torch_tp_plugin",
-                "parallelism_config", "dynamo_backend", "dynamo_plugin")
+_UNSUPPORTED = ("dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
 _IGNORED = ("downcast_bf16",)
 
@@ -96,6 +96,10 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             ``prepare`` shards models with FSDP2 instead of wrapping them in DDP. None reads
             ``ACCELERATE_USE_FSDP`` and ``FSDP_*``, as Accelerate does (``nblaunch launch --use_fsdp``,
             a config file's ``fsdp_config``, ``accelerate launch --use_fsdp``).
+        parallelism_config: a :class:`~nblaunch.utils.ParallelismConfig` (or Accelerate's):
+            ``tp_size`` splits the planned layers over that many ranks (``tp_plan``, or a
+            ``transformers`` model's own plan), applied by ``prepare``; ``dp_replicate_size``
+            (DDP) or ``dp_shard_size`` (with an ``fsdp_plugin``) for the rest.
         deepspeed_plugin: a :class:`~nblaunch.utils.DeepSpeedPlugin` (or Accelerate's): ``prepare``
             hands the model, optimizer and scheduler to DeepSpeed's engine (ZeRO stages 1-3,
             offload), on GPUs and CPU ranks alike; needs ``pip install "nblaunch[deepspeed]"``.
@@ -126,9 +130,11 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         rng_types: list[str] | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | Any = None,
         deepspeed_plugin: DeepSpeedPlugin | Any = None,
+        parallelism_config: ParallelismConfig | Any = None,
         **kwargs: Any,
     ) -> None:
         deepspeed_plugin = _one_deepspeed_plugin(deepspeed_plugin, kwargs.pop("deepspeed_plugins", None))
+        parallelism_config = _one_parallelism_config(parallelism_config, kwargs.pop("torch_tp_plugin", None))
         if kwargs.get("megatron_lm_plugin") is not None:
             raise NotImplementedError("Accelerator(megatron_lm_plugin=...): Megatron-LM is not supported by nblaunch; "
                                       "for tensor parallelism give parallelism_config=ParallelismConfig(tp_size=...)")
@@ -153,6 +159,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         if fsdp_plugin is None and deepspeed_plugin is None:  # None unless the launch asked for one
             fsdp_plugin = fsdp_plugin_from_environment()
             deepspeed_plugin = deepspeed_plugin_from_environment()
+        if parallelism_config is None:
+            parallelism_config = parallelism_config_from_environment()
         self.fsdp_plugin = self.state.fsdp_plugin = fsdp_plugin
 
         config = adopt(dataloader_config) if dataloader_config is not None else DataLoaderConfiguration()
@@ -187,7 +195,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
 
         # How models are spread over the ranks, chosen once; each stack refuses bad settings here.
         self._strategy = pick_strategy(self.state, self.mixed_precision, self.ddp_options, fsdp_plugin,
-                                       deepspeed_plugin, config.split_batches)
+                                       deepspeed_plugin, config.split_batches, parallelism_config)
+        self.parallelism_config = parallelism_config
         self.deepspeed_plugin = self.state.deepspeed_plugin = getattr(self._strategy, "plugin", None)
         if self.mixed_precision == "fp8":
             if self.deepspeed_plugin is not None:
@@ -254,6 +263,15 @@ def _one_deepspeed_plugin(plugin: Any, plugins: Any) -> Any:
                                       "supported by nblaunch: give one deepspeed_plugin")
         return next(iter(plugins.values()))
     return plugins
+
+
+def _one_parallelism_config(config: Any, tp_plugin: Any) -> Any:
+    """``parallelism_config``, or the deprecated ``torch_tp_plugin`` as Accelerate turns it into one."""
+    if tp_plugin is None:
+        return config
+    if config is not None:
+        raise ValueError("give parallelism_config or torch_tp_plugin, not both")
+    return ParallelismConfig(tp_size=getattr(tp_plugin, "tp_size", 1))
 
 
 def _group_arguments(group: InitProcessGroupKwargs | None) -> dict[str, Any]:

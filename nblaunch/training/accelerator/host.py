@@ -46,6 +46,7 @@ class AcceleratorHost:
     device_placement: bool
     mixed_precision: str
     fsdp_plugin: Any
+    parallelism_config: Any  # the ParallelismConfig given (or from the environment), else None
     fp8_recipe: AORecipeKwargs | None  # mixed_precision='fp8': which Linear layers torchao converts, how
     deepspeed_plugin: Any  # the DeepSpeedPlugin the strategy trains with, else None
     dataloader_config: DataLoaderConfiguration
@@ -109,6 +110,11 @@ class AcceleratorHost:
     def is_fsdp2(self) -> bool:
         """True when ``prepare`` shards models (an ``fsdp_plugin`` was given): always FSDP2 here."""
         return self._strategy.distributed_type is DistributedType.FSDP
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The ``DeviceMesh`` the ranks are laid on (a ``parallelism_config``'s), else None."""
+        return self._strategy.device_mesh
 
     @property
     def use_distributed(self) -> bool:

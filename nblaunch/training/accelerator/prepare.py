@@ -165,8 +165,10 @@ class PrepareMethods(AcceleratorHost):
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
+        # Ranks that split one model (tensor parallel) read the same batches.
+        shards, shard = self._strategy.data_ranks(self.num_processes, self.process_index)
         prepared = build_prepared_loader(
-            data_loader, num_processes=self.num_processes, process_index=self.process_index,
+            data_loader, num_processes=shards, process_index=shard,
             device=self.device if device_placement else None, gradient_state=self.gradient_state,
             split_batches=config.split_batches, even_batches=config.even_batches,
             non_blocking=config.non_blocking, rng_types=self.rng_types,

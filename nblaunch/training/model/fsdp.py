@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nblaunch.training.options.fsdp_plugin import ShardingSettings, WrapRule
 
-__all__ = ["shard_model", "is_sharded", "sharded_model_of", "full_state_dict", "sharded_state",
+__all__ = ["shard_model", "is_sharded", "full_state_dict", "sharded_state",
            "load_sharded_state", "total_norm"]
 
 
@@ -177,23 +177,6 @@ def _checkpoint_activations(unit: torch.nn.Module) -> None:
     if isinstance(unit.__dict__.get("forward"), functools.partial):
         return
     unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False)
-
-
-def sharded_model_of(models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
-    """The sharded model whose parameters ``optimizer`` trains; None if it trains none. An
-    optimizer over a sharded model and other parameters is refused: its sharded state is saved
-    and loaded with that model's."""
-    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    found = None
-    for model in models:
-        if is_sharded(model):
-            mine = {id(p) for p in model.parameters()}
-            if ids & mine:
-                if found is not None or not ids <= mine:
-                    raise ValueError("an optimizer trains a sharded model together with other parameters (another "
-                                     "model's): give each sharded model an optimizer of its own")
-                found = model
-    return found
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

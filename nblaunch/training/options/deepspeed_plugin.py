@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Mapping
 
 from nblaunch.contract.variables import ACCELERATE_USE_DEEPSPEED, DEEPSPEED_VARIABLES
@@ -61,9 +61,10 @@ class DeepSpeedPlugin:
     transformer_moe_cls_names: Any = None
     enable_msamp: Any = None
     msamp_opt_level: Any = None
+    environ: InitVar[Mapping[str, str] | None] = None  # where unset fields are read (os.environ)
 
-    def __post_init__(self) -> None:
-        self._fill_from_environment(os.environ)
+    def __post_init__(self, environ: Mapping[str, str] | None) -> None:
+        self._fill_from_environment(os.environ if environ is None else environ)
         if self.enable_msamp:
             raise NotImplementedError("DeepSpeedPlugin(enable_msamp=True): MS-AMP is not supported by nblaunch; "
                                       "for fp8 give Accelerator(mixed_precision='fp8') with torchao (pip install \"nblaunch[fp8]\")")
@@ -231,4 +232,4 @@ def deepspeed_plugin_from_environment(environ: Mapping[str, str] | None = None) 
     environ = os.environ if environ is None else environ
     if environ.get(ACCELERATE_USE_DEEPSPEED, "false").lower() not in _TRUE:
         return None
-    return DeepSpeedPlugin()
+    return DeepSpeedPlugin(environ=environ)

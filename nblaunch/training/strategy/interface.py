@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nblaunch.training.model.fsdp import full_state_dict, is_sharded, sharded_model_of, total_norm
+from nblaunch.training.model.fsdp import full_state_dict, is_sharded, total_norm
 from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.strategy import sharded_layout
@@ -43,9 +43,17 @@ class Strategy:
         """Whether ``prepare`` runs the model's forward under the mixed precision's autocast."""
         return True
 
+    #: The ``DeviceMesh`` a stack lays the ranks on (``accelerator.torch_device_mesh``); None: none.
+    device_mesh: Any = None
+
+    def data_ranks(self, num_processes: int, process_index: int) -> tuple[int, int]:
+        """How many distinct data shards there are and which this rank reads (tensor parallel
+        ranks of one group read the same batches)."""
+        return num_processes, process_index
+
     def check_optimizer(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer this strategy cannot save (one over a sharded model and more)."""
-        sharded_model_of(models, optimizer)
+        sharded_layout.owner_of(models, optimizer)
 
     def prepare_together(self, args: tuple, gradient_state: GradientState) -> dict[int, Any]:
         """Prepare objects that only make sense together (DeepSpeed's engine: model, optimizer

@@ -13,6 +13,7 @@ from typing import Any
 
 from nblaunch.training.options.deepspeed_plugin import adopt_deepspeed_plugin
 from nblaunch.training.options.fsdp_plugin import sharding_settings
+from nblaunch.training.options.parallelism import adopt_parallelism_config
 from nblaunch.training.options.kwargs import DistributedDataParallelKwargs
 from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.strategy.interface import Strategy
@@ -23,14 +24,32 @@ __all__ = ["pick_strategy"]
 
 
 def pick_strategy(state: PartialState, mixed_precision: str, ddp_options: DistributedDataParallelKwargs,
-                  fsdp_plugin: Any = None, deepspeed_plugin: Any = None, split_batches: bool = False) -> Strategy:
+                  fsdp_plugin: Any = None, deepspeed_plugin: Any = None, split_batches: bool = False,
+                  parallelism_config: Any = None) -> Strategy:
     """The strategy for these arguments; each stack's own checks run here, before any step."""
     on_xla = state.distributed_type is DistributedType.XLA
-    asked = [name for name, plugin in (("fsdp_plugin", fsdp_plugin), ("deepspeed_plugin", deepspeed_plugin))
+    layout = adopt_parallelism_config(parallelism_config) if parallelism_config is not None else None
+    tensor_parallel = layout is not None and layout.tp_enabled
+    asked = [name for name, plugin in (("fsdp_plugin", fsdp_plugin), ("deepspeed_plugin", deepspeed_plugin),
+                                       ("parallelism_config(tp_size > 1)", layout if tensor_parallel else None))
              if plugin is not None]
     if len(asked) > 1:
         raise ValueError(f"Accelerator got {' and '.join(asked)}: one stack spreads a model; keep one "
                          "(FSDP2 and ZeRO-3 both shard parameters, gradients and optimizer state)")
+    if tensor_parallel:
+        if on_xla:
+            raise NotImplementedError("tensor parallelism is not supported on XLA devices by nblaunch")
+        # deferred: torch's tensor parallel modules load only for tensor parallelism
+        from nblaunch.training.strategy.tensor_parallel import TensorParallel
+        return TensorParallel(layout, state)
+    if layout is not None and layout.total_size > 1:  # data parallel sizes only: DDP, or FSDP2 for dp_shard
+        layout.check_world(state.num_processes)
+        if layout.dp_shard_enabled and fsdp_plugin is None:
+            raise ValueError(f"ParallelismConfig(dp_shard_size={layout.dp_shard_size}) shards with FSDP2: give an "
+                             "fsdp_plugin too, or dp_replicate_size for whole copies (DDP)")
+        if layout.dp_shard_enabled and layout.dp_replicate_enabled:
+            raise NotImplementedError("dp_shard_size and dp_replicate_size together (hybrid sharding) are not "
+                                      "supported by nblaunch: give one of them")
     if deepspeed_plugin is not None:
         if on_xla:
             raise NotImplementedError("deepspeed_plugin is not supported on XLA devices")

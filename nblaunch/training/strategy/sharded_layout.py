@@ -14,12 +14,14 @@ Example::
 from __future__ import annotations
 
 import os
+from typing import Callable
+
 import torch
 
-from nblaunch.training.model.fsdp import is_sharded, load_sharded_state, sharded_model_of, sharded_state
+from nblaunch.training.model.fsdp import is_sharded, load_sharded_state, sharded_state
 from nblaunch.training.strategy.written import Written
 
-__all__ = ["save", "load", "sharded_model_dir", "sharded_optimizer_dir", "optimizer_owners"]
+__all__ = ["save", "load", "sharded_model_dir", "sharded_optimizer_dir", "optimizer_owners", "owner_of"]
 
 
 def sharded_model_dir(i: int) -> str:
@@ -32,20 +34,36 @@ def sharded_optimizer_dir(i: int) -> str:
     return f"optimizer_{i}"
 
 
-def optimizer_owners(models: list, optimizers: list) -> list[torch.nn.Module | None]:
-    """For each prepared optimizer, the sharded model it trains (None: it trains none)."""
-    return [sharded_model_of(models, opt.optimizer) for opt in optimizers]
+def owner_of(models: list, optimizer: torch.optim.Optimizer, spread: Callable = is_sharded) -> torch.nn.Module | None:
+    """The spread model whose parameters ``optimizer`` trains (None: it trains none); one over a
+    spread model and other parameters is refused: its state is saved with that model's."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    found = None
+    for model in models:
+        mine = {id(p) for p in model.parameters()}
+        if spread(model) and ids & mine:
+            if found is not None or not ids <= mine:
+                raise ValueError("an optimizer trains a sharded model together with other parameters (another "
+                                 "model's): give each sharded model an optimizer of its own")
+            found = model
+    return found
 
 
-def save(models: list, optimizers: list, output_dir: str) -> Written:
-    """Every rank writes its shards of the sharded models and their optimizers (collectives)."""
+def optimizer_owners(models: list, optimizers: list, spread: Callable = is_sharded) -> list[torch.nn.Module | None]:
+    """For each prepared optimizer, the spread model it trains (None: it trains none)."""
+    return [owner_of(models, opt.optimizer, spread) for opt in optimizers]
+
+
+def save(models: list, optimizers: list, output_dir: str, spread: Callable = is_sharded) -> Written:
+    """Every rank writes its shards of the spread models (``spread``: FSDP2's by default, tensor
+    parallel ones too) and their optimizers (collectives)."""
     written = Written()
-    owners = optimizer_owners(models, optimizers)
-    if not any(is_sharded(m) for m in models):
+    owners = optimizer_owners(models, optimizers, spread)
+    if not any(spread(m) for m in models):
         return written
     import torch.distributed.checkpoint as dcp  # deferred: ~50 ms to import, for sharded models only
     for i, model in enumerate(models):
-        if is_sharded(model):
+        if spread(model):
             dcp.save({"model": sharded_state(model)}, checkpoint_id=os.path.join(output_dir, sharded_model_dir(i)))
             written.models.add(i)
     for i, (opt, model) in enumerate(zip(optimizers, owners)):
@@ -56,15 +74,15 @@ def save(models: list, optimizers: list, output_dir: str) -> Written:
     return written
 
 
-def load(models: list, optimizers: list, input_dir: str, strict: bool) -> Written:
+def load(models: list, optimizers: list, input_dir: str, strict: bool, spread: Callable = is_sharded) -> Written:
     """Read back what :func:`save` wrote into the same models and optimizers."""
     written = Written()
-    owners = optimizer_owners(models, optimizers)
-    if not any(is_sharded(m) for m in models):
+    owners = optimizer_owners(models, optimizers, spread)
+    if not any(spread(m) for m in models):
         return written
     import torch.distributed.checkpoint as dcp  # deferred: ~50 ms to import, for sharded models only
     for i, model in enumerate(models):
-        if is_sharded(model):
+        if spread(model):
             path = os.path.join(input_dir, sharded_model_dir(i))
             if not os.path.isdir(path):
                 raise FileNotFoundError(

@@ -1,0 +1,147 @@
+"""Tensor parallelism through ``Accelerator(parallelism_config=ParallelismConfig(tp_size=2))`` on 2
+gloo ranks: a ``transformers`` Llama split by its own plan, and a plain torch model split by a
+plan the user gives. The reference is one process training the same model on the same batches:
+splitting the matmuls must not change the loss (within 1e-5)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nblaunch.training import Accelerator, ParallelismConfig
+from nblaunch.utils import DeepSpeedPlugin
+
+MLP_PLAN = {"*.up": "colwise", "*.down": "rowwise"}
+
+
+def llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.norm = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), torch.nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Block(), Block(), torch.nn.Linear(32, 4))
+
+
+def train(kind: str, tp: int, folder: str | None = None) -> dict:
+    """Four steps, clipped; with ``folder``: save after two, resume in a new Accelerator, finish."""
+    build = llama if kind == "llama" else mlp
+    plan = MLP_PLAN if kind == "mlp" else None
+
+    def prepared():
+        accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=tp, tp_plan=plan) if tp > 1 else None)
+        model = build()
+        generator = torch.Generator().manual_seed(3)
+        data = (torch.randint(0, 128, (32, 12), generator=generator) if kind == "llama"
+                else torch.randn(32, 32, generator=generator))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+        return (accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader))
+
+    def loss_of(model, x):
+        return model(input_ids=x, labels=x).loss if kind == "llama" else model(x).pow(2).mean()
+
+    accelerator, model, optimizer, loader = prepared()
+    losses, seen = [], []
+    for step, (x,) in enumerate(loader):
+        seen.append(x.sum().item())
+        loss = loss_of(model, x)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if folder and step == 1:
+            accelerator.save_state(folder)
+            accelerator, model, optimizer, loader = prepared()
+            accelerator.load_state(folder)
+            break
+    if folder:
+        for (x,) in loader:  # the loader resumes at batch 2: load_state restored its position
+            loss = loss_of(model, x)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    local = {name: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+             for name, p in accelerator.unwrap_model(model).named_parameters()}
+    return {"losses": losses, "seen": seen, "local": local, "weights": accelerator.get_state_dict(model),
+            "mesh": str(accelerator.torch_device_mesh.mesh_dim_names) if accelerator.torch_device_mesh else None}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tests.training.conftest import run_launch
+
+    folder = str(tmp_path_factory.mktemp("tp"))
+    return {kind: {"one": run_launch(train, kind, 1, num_processes=1)[0], "two": run_launch(train, kind, 2)}
+            for kind in ("llama", "mlp")} | {"resumed": run_launch(train, "llama", 2, os.path.join(folder, "ckpt"))}
+
+
+@pytest.mark.parametrize("kind", ["llama", "mlp"])
+def test_two_tensor_parallel_ranks_train_as_one_process(runs, kind):
+    one, two = runs[kind]["one"], runs[kind]["two"]
+    for rank in two:
+        assert max(abs(a - b) for a, b in zip(rank["losses"], one["losses"])) < 1e-5
+        assert rank["seen"] == one["seen"][:len(rank["seen"])]  # both ranks read every batch, as one process
+        assert rank["mesh"] == "('tp',)"
+
+
+def test_each_rank_holds_half_of_each_planned_weight_and_the_whole_weights_come_back(runs):
+    one, two = runs["llama"]["one"], runs["llama"]["two"]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert one["local"][q] == (64, 64) and two[0]["local"][q] == two[1]["local"][q] == (32, 64)
+    assert two[0]["local"]["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
+    assert two[0]["local"]["model.norm.weight"] == (64,)  # outside the plan: whole
+    whole = two[0]["weights"]
+    assert two[1]["weights"] == {}
+    reference = llama()
+    reference.load_state_dict(whole)  # loads into the plain model
+    assert {k: v.shape for k, v in whole.items()} == {k: v.shape for k, v in reference.state_dict().items()}
+
+
+def test_a_checkpoint_resumes_the_split_model_where_it_stopped(runs):
+    for rank in runs["resumed"]:
+        assert max(abs(a - b) for a, b in zip(rank["losses"], runs["llama"]["one"]["losses"])) < 1e-5
+        assert len(rank["losses"]) == len(runs["llama"]["one"]["losses"])
+
+
+def test_bad_layouts_are_refused_with_what_to_change():
+    with pytest.raises(ValueError, match=r"tp_size 2 = 2, but there are 1 processes: make the sizes multiply to 1"):
+        Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
+    with pytest.raises(NotImplementedError, match="context and sequence parallelism are not supported"):
+        ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match="tp_size=0.*at least 1"):
+        ParallelismConfig(tp_size=0)
+    with pytest.raises(ValueError, match="one stack spreads a model"):
+        Accelerator(parallelism_config=ParallelismConfig(tp_size=2), deepspeed_plugin=DeepSpeedPlugin())
+
+
+def test_a_plan_that_names_nothing_or_an_unknown_style_is_refused():
+    from nblaunch.training.strategy.tensor_parallel import model_plan
+
+    with pytest.raises(ValueError, match=r"Sequential has none: give ParallelismConfig\(tp_plan="):
+        model_plan(mlp(), None)
+    with pytest.raises(ValueError, match=r"no module of Sequential matches the tp_plan's patterns \['\*.attn'\]"):
+        model_plan(mlp(), {"*.attn": "colwise"})
+    with pytest.raises(ValueError, match=r"tp_plan\['\*.up'\] = 'diagonal': give one of colwise, rowwise"):
+        model_plan(mlp(), {"*.up": "diagonal"})
+    plan = model_plan(llama(), None)  # transformers' own: its base model's patterns and the head's
+    assert {"lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"} <= set(plan)
+    assert "model.norm" not in plan
