@@ -1,4 +1,4 @@
-"""9. A model sharded over 2 ranks (FSDP2) against the same model replicated (DDP).
+"""9. A model sharded over 2 ranks (FSDP2, DeepSpeed ZeRO-3) against the same model replicated (DDP).
 
 Every implementation trains the same transformer (width 384, 6 layers: about 10.7M parameters,
 43 MB in fp32) with AdamW on 2 forked CPU ranks, gloo, for a few steps, and reports per rank:
@@ -12,11 +12,16 @@ Implementations: nblaunch's ``Accelerator`` with DDP (no plugin) and with
 ``FullyShardedDataParallelPlugin(auto_wrap_policy="transformer_based_wrap")``; raw torch
 (``fully_shard`` on each layer and the root, by hand, ranks from ``torch.multiprocessing``);
 Accelerate's ``Accelerator(fsdp_plugin=...)`` with ``fsdp_version=2`` under its
-``notebook_launcher`` (when installed).
+``notebook_launcher`` (when installed). Beside FSDP's rows, ZeRO-3 (when DeepSpeed is installed):
+nblaunch's ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))`` and DeepSpeed's own
+API (``deepspeed.initialize``, ``engine.backward``/``engine.step``) in ranks from
+``torch.multiprocessing``. Accelerate's DeepSpeed path does not run on CPU ranks (with
+``ACCELERATE_USE_CPU`` it drops the plugin and trains DDP), so it has no row.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import time
@@ -41,13 +46,21 @@ def _rss() -> int:
 
 
 def _held(model, optimizer) -> int:
+    """Bytes of the parameters (a DTensor's local shard, a ZeRO-3 partition) and optimizer state
+    (of the torch optimizer inside a prepared one and inside DeepSpeed's) this rank keeps."""
     import torch
 
     def size(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = t.ds_tensor if hasattr(t, "ds_tensor") else t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
-    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return sum(size(p) for p in model.parameters()) + sum(size(v) for v in states)
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return sum(size(p) for p in getattr(model, "module", model).parameters()) + sum(size(v) for v in states)
+
+
+ZERO3 = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
+         "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
 
 
 def _loop(model, optimizer, backward, start_rss: int) -> dict:
@@ -81,6 +94,61 @@ def nblaunch_rank(shard: bool) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     return _loop(model, optimizer, accelerator.backward, start)
+
+
+def nblaunch_zero3_rank() -> dict:
+    import deepspeed  # noqa: F401  (before the start is read, as DeepSpeed's own rank does: its import is not the training's)
+    import torch
+
+    from nblaunch import Accelerator
+    from nblaunch.utils import DeepSpeedPlugin
+
+    start = _rss()
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(ZERO3)))
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return _loop(model, optimizer, accelerator.backward, start)
+
+
+def _deepspeed_rank(rank: int, port: int, out: str) -> None:
+    import json
+
+    import deepspeed
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    start = _rss()
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                      config=dict(ZERO3))
+
+    class Stepper:  # the loop's optimizer.step()/zero_grad(): the engine's step, which also zeroes
+        optimizer = engine.optimizer
+
+        @staticmethod
+        def step():
+            engine.step()
+
+        @staticmethod
+        def zero_grad():
+            pass
+
+    result = _loop(engine, Stepper, engine.backward, start)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+
+
+def deepspeed_launch() -> list[dict]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(_deepspeed_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
+        return _read_results(out)
 
 
 def accelerate_rank(out: str) -> None:
@@ -166,6 +234,9 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     }
     if have_accelerate():
         impls["Accelerate FSDP2"] = accelerate_launch
+    if importlib.util.find_spec("deepspeed") is not None:
+        impls["nblaunch ZeRO-3"] = lambda: notebook_launcher(nblaunch_zero3_rank, num_processes=2, display="none")
+        impls["DeepSpeed ZeRO-3 (own API)"] = deepspeed_launch
     samples = interleave(rounds, impls)
     notes = [f"{impl}: {len(errs)} failed: {errs[0]}" for impl, errs in samples.pop("_errors").items()]
 
@@ -181,7 +252,7 @@ def run(quick: bool = False, size: str | None = None) -> dict:
         ratio = {"vs nblaunch DDP": pair_ratios(held, ddp_held)} if impl != "nblaunch DDP" else None
         met = None
         goal = None
-        if impl == "nblaunch FSDP":
+        if impl in ("nblaunch FSDP", "nblaunch ZeRO-3"):
             goal, met = "about half of DDP's", all(0.4 < h / d < 0.6 for h, d in zip(held, ddp_held))
         rows.append(row(impl, "parameters + optimizer state a rank holds", "MB",
                         [h / 1e6 for h in held], ratios=ratio, goal=goal, met=met))

@@ -33,7 +33,7 @@ MEASUREMENTS = {
     "output": ("benchmarks.m_output:run", "6. Output: many lines per rank", 180),
     "warm": ("benchmarks.m_warm:run", "7. Warm ranks: a call on ranks kept up, against starting them per call", 240),
     "ray": ("benchmarks.m_ray:run", "8. Several machines on Ray: 2 nodes simulated here, 2 ranks each", 600),
-    "fsdp": ("benchmarks.m_fsdp:run", "9. A model sharded over 2 ranks (FSDP2) against DDP", 600),
+    "fsdp": ("benchmarks.m_fsdp:run", "9. A model sharded over 2 ranks (FSDP2, ZeRO-3) against DDP", 600),
     # Measures nothing (and says why) without a CUDA device; tools/gpu_lane.sh runs it on one.
     "gpu": ("benchmarks.m_gpu:run", "10. One CUDA GPU: a small transformer's steps/s, a launch after CUDA was "
             "initialised, a failure", 420),

@@ -121,7 +121,8 @@ def cpu_computes_bf16() -> bool:
 # Each notebook runs once per session, top to bottom in a real kernel; its tests read the result.
 # The seconds each may take on 2 cores (None: no limit asserted).
 BUDGETS = {"01_quickstart.ipynb": 120, "02_from_accelerate.ipynb": None, "03_when_things_go_wrong.ipynb": 150,
-           "05_interactive.ipynb": None, "06_fsdp.ipynb": None, "08_lightning.ipynb": 60}
+           "05_interactive.ipynb": None, "06_fsdp.ipynb": None, "08_lightning.ipynb": 60,
+           "09_bigger_models.ipynb": None}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,8 @@ def executed(tmp_path_factory):
         if name == "08_lightning.ipynb" and importlib.util.find_spec("lightning") is None:
             # Not imported here: importing Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK in os.environ.
             pytest.skip("the Lightning notebook needs lightning (pip install -e '.[test]')")
+        if name == "09_bigger_models.ipynb" and importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("the bigger-models notebook needs DeepSpeed (pip install -e '.[test]')")
         if name not in done:
             done[name] = execute(name, tmp_path_factory.mktemp(name.split(".")[0]))
         return done[name]
@@ -438,6 +441,23 @@ def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
     assert int(predicted.split("predicts ")[1].split("%")[0]) >= 90, predicted
     before, after = map(float, re.findall(r"[\d.]+", stream(cell(fsdp, "more = notebook_launcher"))))
     assert after < before
+
+
+# --------------------------------------------------------------------------- 09 bigger models
+
+
+def test_the_four_stacks_train_the_same_model_alike_and_three_hold_about_half(executed):
+    notebook = executed("09_bigger_models.ipynb")
+    shares = dict(re.findall(r"^(\S+) +DistributedType\.\w+ +rank 0 [\d.]+ MiB \((\d+)%\)",
+                             stream(cell(notebook, 'whole = results["DDP"]')), re.M))
+    assert shares.keys() == {"DDP", "FSDP", "ZeRO-3", "TP"} and shares["DDP"] == "100"
+    assert all(40 <= int(shares[stack]) <= 60 for stack in ("FSDP", "ZeRO-3")), shares
+    assert 40 <= int(shares["TP"]) <= 75, shares  # the norms and anything outside the plan stay whole
+    agreed = re.findall(r"^(\S+) +loss ([\d.]+) -> ([\d.]+), largest difference from DDP ([\d.e+-]+)",
+                        stream(cell(notebook, "reference = results")), re.M)
+    assert [stack for stack, *_ in agreed] == ["DDP", "FSDP", "ZeRO-3", "TP"]
+    for stack, first, last, difference in agreed:
+        assert float(last) < 0.8 * float(first) and float(difference) < 1e-3, (stack, first, last, difference)
 
 
 # --------------------------------------------------------------------------- 07 Lightning

@@ -1,5 +1,6 @@
 """Training equivalence, gradient accumulation and mixed precision, in real 2-process launches."""
 
+import importlib.util
 import math
 
 import pytest
@@ -172,8 +173,12 @@ def test_mixed_precision_setting_rules(monkeypatch):
     assert Accelerator().mixed_precision == "bf16"
     assert Accelerator(mixed_precision="no").mixed_precision == "no"  # explicit wins
     monkeypatch.setenv("NBLAUNCH_MIXED_PRECISION", "fp8")
-    with pytest.warns(UserWarning, match="fp8' on the CPU: torchao emulates"):
-        assert Accelerator().mixed_precision == "fp8"
+    if importlib.util.find_spec("torchao") is None:
+        with pytest.raises(ImportError, match=r'pip install "nblaunch\[fp8\]"'):
+            Accelerator()
+    else:
+        with pytest.warns(UserWarning, match="fp8' on the CPU: torchao emulates"):
+            assert Accelerator().mixed_precision == "fp8"
     with pytest.raises(ValueError, match="mixed_precision"):
         Accelerator(mixed_precision="fp12")
     monkeypatch.setenv("NBLAUNCH_MIXED_PRECISION", "auto")  # what the CPU computes fast: here none
