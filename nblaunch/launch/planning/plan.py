@@ -239,13 +239,13 @@ def check_fp8(mixed_precision: str, device_kind: str, capability: tuple[int, int
     (the ``nblaunch[fp8]`` extra), fast on GPUs of compute capability 8.9 on, emulated on the CPU."""
     if mixed_precision != "fp8":
         return
-    if importlib.util.find_spec("torchao") is None:
-        raise LaunchConfigError('mixed_precision=\'fp8\' trains through torchao, which is not installed: '
-                                'pip install "nblaunch[fp8]" (or use mixed_precision=\'bf16\')')
     if device_kind == "cuda" and capability is not None and capability < (8, 9):
         raise LaunchConfigError(f"mixed_precision='fp8' needs GPUs with fp8 units (compute capability 8.9 and "
                                 f"later); this machine's are {capability[0]}.{capability[1]}: use 'bf16' (or 'fp16' "
                                 "where bf16 is emulated), or cpu=True to try fp8 emulated on the CPU")
+    if importlib.util.find_spec("torchao") is None:
+        raise LaunchConfigError('mixed_precision=\'fp8\' trains through torchao, which is not installed: '
+                                'pip install "nblaunch[fp8]" (or use mixed_precision=\'bf16\')')
     if device_kind == "cpu":
         warnings.warn("mixed_precision='fp8' on the CPU: torchao emulates the float8 matmuls, which trains as on an "
                       "fp8 GPU and is no faster (fp8 is fast on GPUs of compute capability 8.9 and later)",
