@@ -19,7 +19,7 @@ __all__ = ["deepspeed_environ"]
 
 # Keys accelerate config writes that only its own launcher reads (multi-node through DeepSpeed's).
 _LAUNCHER_ONLY = ("deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
-                  "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names")
+                  "deepspeed_inclusion_filter")
 
 
 def deepspeed_environ(section: Any, path: str) -> dict[str, str]:

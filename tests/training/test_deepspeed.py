@@ -219,3 +219,58 @@ def test_without_deepspeed_the_error_names_the_extra_to_install():
             "Accelerator(deepspeed_plugin=DeepSpeedPlugin())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert 'pip install "nblaunch[deepspeed]"' in out.stderr, out.stderr[-2000:]
+
+
+def second_chances() -> dict:
+    """What a notebook user does after a first prepare: free it and prepare again, prepare the
+    model alone, hand the engine's model another optimizer; and a config without accumulation steps,
+    a DummyScheduler over the config's scheduler."""
+    from nblaunch.utils import DummyScheduler
+
+    seen = {}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2), gradient_accumulation_steps=4)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
+    model = build_model()
+    with pytest.raises(ValueError, match="prepared with its optimizer .* in one prepare"):
+        accelerator.prepare(model)
+    engine, optimizer, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+    seen["clipping"] = accelerator.deepspeed_plugin.deepspeed_config["gradient_clipping"]  # filled: 1.0
+    with pytest.raises(ValueError, match="optimizer trains the DeepSpeed engine's model"):
+        accelerator.prepare(torch.optim.SGD(engine.module.parameters(), lr=0.1))
+    accelerator.free_memory()
+    model = build_model()
+    engine, optimizer, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+    seen["again"] = type(engine).__name__
+    config = {"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=4)
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    engine, optimizer, scheduler, _ = accelerator.prepare(model, optimizer, DummyScheduler(optimizer, warmup_num_steps=5),
+                                                          loader)
+    filled = accelerator.deepspeed_plugin.deepspeed_config
+    seen["steps"] = (filled["gradient_accumulation_steps"], accelerator.gradient_accumulation_steps)
+    seen["scheduler"] = (type(scheduler).__name__, filled["scheduler"]["params"])
+    return seen
+
+
+def test_a_second_prepare_after_free_memory_and_what_cannot_be_prepared_apart():
+    from tests.training.conftest import run_launch
+
+    [seen] = run_launch(second_chances, num_processes=1)
+    assert seen["clipping"] == 1.0 and seen["again"] == "DeepSpeedEngine"
+    assert seen["steps"] == (4, 4)  # no accumulation steps in the config: the Accelerator's
+    assert seen["scheduler"] == ("DeepSpeedSchedulerWrapper",
+                                 {"warmup_min_lr": 0, "warmup_max_lr": 0.02, "warmup_num_steps": 5})
+
+
+def test_a_refused_prepare_changes_nothing():
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(
+        hf_ds_config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4,
+                      "train_micro_batch_size_per_gpu": 8}))
+    model = build_model()
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu is 8"):
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters()),
+                            torch.utils.data.DataLoader(dataset(), batch_size=4))
+    assert accelerator.gradient_accumulation_steps == 1  # the config's 4 is taken only once DeepSpeed started
+    assert "train_batch_size" not in accelerator.deepspeed_plugin.deepspeed_config  # the filled copy was dropped

@@ -50,6 +50,9 @@ def train(kind: str, tp: int, folder: str | None = None) -> dict:
 
     def prepared():
         accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=tp, tp_plan=plan) if tp > 1 else None)
+        assert (accelerator.torch_device_mesh is not None) == (tp > 1)  # before prepare, as Accelerate's
+        frozen = accelerator.prepare(build().requires_grad_(False))  # a reference model: whole, never split
+        assert not any(hasattr(p, "to_local") for p in frozen.parameters())
         model = build()
         generator = torch.Generator().manual_seed(3)
         data = (torch.randint(0, 128, (32, 12), generator=generator) if kind == "llama"

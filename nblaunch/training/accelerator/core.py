@@ -154,11 +154,14 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.device = self.state.device
         self.device_placement = device_placement
         self.mixed_precision = resolve_mixed_precision(mixed_precision, self.device)
-        check_supported(self.mixed_precision, self.device)
-        self._autocast_dtype = autocast_dtype(self.mixed_precision)
         if fsdp_plugin is None and deepspeed_plugin is None:  # None unless the launch asked for one
             fsdp_plugin = fsdp_plugin_from_environment()
             deepspeed_plugin = deepspeed_plugin_from_environment()
+        if self.mixed_precision == "fp8" and deepspeed_plugin is not None:  # before anything reads either
+            raise NotImplementedError("mixed_precision='fp8' with a deepspeed_plugin is not supported by nblaunch: "
+                                      "train DeepSpeed in 'bf16', or fp8 with DDP or an fsdp_plugin")
+        check_supported(self.mixed_precision, self.device)
+        self._autocast_dtype = autocast_dtype(self.mixed_precision)
         if parallelism_config is None:
             parallelism_config = parallelism_config_from_environment()
         self.fsdp_plugin = self.state.fsdp_plugin = fsdp_plugin
@@ -199,9 +202,6 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.parallelism_config = parallelism_config
         self.deepspeed_plugin = self.state.deepspeed_plugin = getattr(self._strategy, "plugin", None)
         if self.mixed_precision == "fp8":
-            if self.deepspeed_plugin is not None:
-                raise NotImplementedError("mixed_precision='fp8' with a deepspeed_plugin is not supported by nblaunch: "
-                                          "train DeepSpeed in 'bf16', or fp8 with DDP or an fsdp_plugin")
             self.fp8_recipe = self.fp8_recipe or AORecipeKwargs()  # torchao's, as Accelerate picks it first
         elif self.fp8_recipe is not None:
             raise ValueError("AORecipeKwargs is fp8's recipe: give it with mixed_precision='fp8'")

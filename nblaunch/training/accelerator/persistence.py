@@ -136,6 +136,8 @@ class PersistenceMethods(AcceleratorHost):
         self._dataloaders.clear()
         self._custom_objects.clear()
         self._replaced_parameters.clear()
+        self._accumulate_context = None
+        self._strategy.release()  # DeepSpeed's engine goes; a next prepare makes a new one
         release_memory()
         return tuple(None for _ in objects)
 

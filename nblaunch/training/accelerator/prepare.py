@@ -77,13 +77,15 @@ class PrepareMethods(AcceleratorHost):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """Move to the device, wrap the forward in autocast (mixed precision), wrap in DDP, or
-        shard it with FSDP2 when the Accelerator has an ``fsdp_plugin``.
+        """Move to the device, wrap the forward in autocast (mixed precision), convert its Linear
+        layers to float8 (``"fp8"``), then spread it as the Accelerator's strategy does: DDP, FSDP2
+        (an ``fsdp_plugin``), tensor parallelism (a ``parallelism_config``).
 
-        DDP is used only with more than one process, FSDP (an ``fsdp_plugin``) with one too, both
-        only for trainable parameters (and not with ``evaluation_mode``), never on XLA (the prepared optimizer averages the gradients
-        there). Moving to XLA and sharding make new parameters: an optimizer prepared after is
-        pointed at them.
+        DDP is used only with more than one process, FSDP with one too, all only for trainable
+        parameters (and not with ``evaluation_mode``), never on XLA (the prepared optimizer averages
+        the gradients there). Under DeepSpeed a trained model is prepared with its optimizer in one
+        ``prepare`` call. Moving to XLA, sharding and splitting make new parameters: an optimizer
+        prepared after is pointed at them.
         """
         if any(model is m for m in self._models) or isinstance(model, DistributedDataParallel):
             return model
@@ -95,7 +97,7 @@ class PrepareMethods(AcceleratorHost):
         trainable = not evaluation_mode and not self._on_xla and any(p.requires_grad for p in model.parameters())
         strategy = self._strategy
         if self.fp8_recipe is not None and trainable:  # before sharding: FSDP2 then shards the fp8 layers
-            model = fp8.convert_to_fp8(model, self.fp8_recipe, sharded=self.is_fsdp2)
+            model = fp8.convert_to_fp8(model, self.fp8_recipe, sharded=self.is_fsdp2, device=self.device)
         before = dict(model.named_parameters())
         if device_placement and strategy.places(trainable):
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
@@ -128,7 +130,7 @@ class PrepareMethods(AcceleratorHost):
         self._replaced_parameters.switch(optimizer)
         self._strategy.check_optimizer(self._models, optimizer)  # e.g. one over a sharded model and more
         for model in self._models:
-            if is_sharded(model) and fp8.gathers_in_fp8(model) and fp8.trains(optimizer, model):
+            if is_sharded(model) and fp8.gathers_in_fp8(model) and fp8.optimizer_trains(optimizer, model):
                 fp8.rescale_after_step(optimizer, model)
         if device_placement and self._on_xla:
             placement.check_on_xla(optimizer)
@@ -150,9 +152,10 @@ class PrepareMethods(AcceleratorHost):
             target = target.optimizer
         optimizers = [opt for opt in self._optimizers if opt.optimizer is target] or list(self._optimizers)
         per_process = self.step_scheduler_per_process and not self.split_batches
+        shards, _ = self._strategy.data_ranks(self.num_processes, self.process_index)  # TP ranks share batches
         wrapped = AcceleratedScheduler(scheduler, optimizers, self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
-                                       steps_per_optimizer_step=self.num_processes if per_process else 1)
+                                       steps_per_optimizer_step=shards if per_process else 1)
         self._schedulers.append(wrapped)
         return wrapped
 

@@ -34,7 +34,8 @@ class TrainingStepMethods(AcceleratorHost):
     """backward, accumulate, gradient sync, autocast, profile, unscaling and clipping."""
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, divided by the accumulation steps and scaled under fp16."""
+        """``loss.backward()``, divided by the accumulation steps and scaled under fp16; under
+        DeepSpeed the engine's backward, and its step at the end of an accumulation window."""
         steps = self.gradient_state.num_steps
         if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps

@@ -82,6 +82,11 @@ def _cpu_copy(data: Any) -> Any:
     return recursively_apply(lambda t: t.cpu() if t.device.type == "xla" else t, data)
 
 
+def _plain_schedulers(prepared: Prepared) -> list:
+    """The schedulers the checkpoint writes itself, numbered as Accelerate numbers them (those the
+    strategy saves with its model, DeepSpeed's, are left out first)."""
+    return [sched for sched in prepared.schedulers if not prepared.strategy.owns_scheduler(sched)]
+
 
 def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: PartialState,
                gradient_state: GradientState, safe_serialization: bool = True) -> str:
@@ -101,8 +106,8 @@ def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: Partial
                       stacklevel=3)
     rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
     save = host_saver(state)
-    os.makedirs(output_dir, exist_ok=True)
-    written = prepared.strategy.save_states(prepared.models, prepared.optimizers, output_dir, state)  # every rank: a per-node disk has no main process writing it
+    os.makedirs(output_dir, exist_ok=True)  # every rank: a per-node disk has no main process writing it
+    written = prepared.strategy.save_states(prepared.models, prepared.optimizers, output_dir, state)
     if state.is_main_process:
         for i, model in enumerate(prepared.models):
             if i not in written.models:
@@ -113,7 +118,7 @@ def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: Partial
         for i, opt in enumerate(prepared.optimizers):
             if i not in written.optimizers:
                 save(opt.optimizer.state_dict(), os.path.join(output_dir, layout.optimizer_name(i)))
-        for i, sched in enumerate(prepared.schedulers):
+        for i, sched in enumerate(_plain_schedulers(prepared)):
             save(sched.scheduler.state_dict(), os.path.join(output_dir, layout.scheduler_name(i)))
         if prepared.scaler is not None:
             save(prepared.scaler.state_dict(), os.path.join(output_dir, layout.SCALER_NAME))
@@ -176,7 +181,7 @@ def load_state(prepared: Prepared, input_dir: str | os.PathLike, state: PartialS
         if i not in written.optimizers:
             # Optimizer.load_state_dict moves the state onto each parameter's device.
             opt.optimizer.load_state_dict(_load(os.path.join(input_dir, layout.optimizer_name(i)), "cpu"))
-    for i, sched in enumerate(prepared.schedulers):
+    for i, sched in enumerate(_plain_schedulers(prepared)):
         sched.scheduler.load_state_dict(_load(os.path.join(input_dir, layout.scheduler_name(i)), "cpu"))
     scaler_path = os.path.join(input_dir, layout.SCALER_NAME)
     if prepared.scaler is not None and os.path.exists(scaler_path):

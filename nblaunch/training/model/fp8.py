@@ -20,7 +20,7 @@ import torch
 from nblaunch.training.options.kwargs import AORecipeKwargs
 
 __all__ = ["require_torchao", "check_fp8_device", "convert_to_fp8", "accelerates_filter", "has_fp8_layers",
-           "rescale_after_step", "gathers_in_fp8", "trains",
+           "rescale_after_step", "gathers_in_fp8", "optimizer_trains",
            "FP8_CAPABILITY"]
 
 INSTALL = 'pip install "nblaunch[fp8]"'
@@ -65,19 +65,23 @@ def accelerates_filter(model: torch.nn.Module) -> Callable[[torch.nn.Module, str
 
 
 def has_fp8_layers(model: torch.nn.Module) -> bool:
+    """Whether torchao converted any of the model's layers already."""
     return any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
-def convert_to_fp8(model: torch.nn.Module, recipe: AORecipeKwargs, sharded: bool) -> torch.nn.Module:
+def convert_to_fp8(model: torch.nn.Module, recipe: AORecipeKwargs, sharded: bool,
+                   device: torch.device) -> torch.nn.Module:
     """The model with its Linear layers converted in place (once); ``sharded``: FSDP2 will shard
-    it, so the weights are all-gathered in fp8 on GPUs (torchao's recipe for FSDP)."""
+    it, so on a GPU ``device`` the weights are all-gathered in fp8 (torchao's recipe for FSDP)."""
     if has_fp8_layers(model):
         return model
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # deferred: the optional extra
     config = recipe.config
     if config is None:
-        on_gpu = any(p.device.type == "cuda" for p in model.parameters()) or torch.cuda.is_available()
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded and on_gpu)
+        gather = recipe.enable_fsdp_float8_all_gather
+        config = Float8LinearConfig(
+            enable_fsdp_float8_all_gather=sharded and device.type == "cuda" if gather is None else gather,
+            pad_inner_dim=bool(recipe.pad_inner_dim))
     module_filter: Any = recipe.module_filter_func or accelerates_filter(model)
     return convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
 
@@ -88,7 +92,8 @@ def gathers_in_fp8(model: torch.nn.Module) -> bool:
                for m in model.modules() if type(m).__name__ == "Float8Linear")
 
 
-def trains(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
+def optimizer_trains(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
+    """Whether ``optimizer`` steps any of ``model``'s parameters."""
     mine = {id(p) for p in model.parameters()}
     return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nblaunch.training.model.mixed_precision import AutocastForward
 
-__all__ = ["unwrap_model"]
+__all__ = ["unwrap_model", "is_deepspeed_engine"]
 
 
 def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
@@ -25,7 +25,7 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torc
     while True:
         if isinstance(model, DistributedDataParallel):
             model = model.module
-        elif _is_deepspeed_engine(model):
+        elif is_deepspeed_engine(model):
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
             model = model._orig_mod  # torch.compile's wrapper has no public name for it
@@ -36,7 +36,7 @@ def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torc
     return model
 
 
-def _is_deepspeed_engine(model: torch.nn.Module) -> bool:
+def is_deepspeed_engine(model: torch.nn.Module) -> bool:
     """A DeepSpeed engine, without importing DeepSpeed (only a loaded DeepSpeed made one)."""
     deepspeed = sys.modules.get("deepspeed")
     engine = getattr(deepspeed, "DeepSpeedEngine", None)

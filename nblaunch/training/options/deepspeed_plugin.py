@@ -44,7 +44,7 @@ class DeepSpeedPlugin:
         zero3_init_flag: build ``transformers`` models sharded at creation (ZeRO-3).
         zero3_save_16bit_model: ``get_state_dict``/``save_model`` gather 16-bit weights as DeepSpeed does
             (nblaunch gathers full-precision weights without it).
-        transformer_moe_cls_names: accepted for Accelerate's sake (MoE leaf modules).
+        transformer_moe_cls_names: ZeRO-3's MoE leaf modules: not supported (refused).
     """
 
     hf_ds_config: Any = None
@@ -65,6 +65,9 @@ class DeepSpeedPlugin:
 
     def __post_init__(self, environ: Mapping[str, str] | None) -> None:
         self._fill_from_environment(os.environ if environ is None else environ)
+        if self.transformer_moe_cls_names:
+            raise NotImplementedError("DeepSpeedPlugin(transformer_moe_cls_names=...): ZeRO-3's MoE leaf modules are "
+                                      "not supported by nblaunch yet; leave it out")
         if self.enable_msamp:
             raise NotImplementedError("DeepSpeedPlugin(enable_msamp=True): MS-AMP is not supported by nblaunch; "
                                       "for fp8 give Accelerator(mixed_precision='fp8') with torchao (pip install \"nblaunch[fp8]\")")
@@ -130,8 +133,6 @@ class DeepSpeedPlugin:
         if not isinstance(self.hf_ds_config, HfDeepSpeedConfig):
             self.hf_ds_config = HfDeepSpeedConfig(self.hf_ds_config)
         config = self.hf_ds_config
-        if "gradient_accumulation_steps" not in config.config:
-            config.config["gradient_accumulation_steps"] = 1
         if "zero_optimization" not in config.config:
             raise ValueError("the DeepSpeed config has no zero_optimization section: add "
                              '"zero_optimization": {"stage": 2} (0 to 3) to it')
@@ -174,11 +175,11 @@ class DeepSpeedPlugin:
             raise ValueError(f"mixed_precision={mixed_precision!r} but the DeepSpeed config enables {other}: "
                              f"give Accelerator(mixed_precision={other!r}), or set {other}.enabled to false")
         if wanted is not None:
-            section = config.setdefault(wanted, {"enabled": True})
+            if wanted not in config:  # made here: fp16 casts the inputs too, as Accelerate's section does
+                config[wanted] = {"enabled": True, "auto_cast": True} if wanted == "fp16" else {"enabled": True}
+            section = config[wanted]
             if section.get("enabled") == "auto":
                 section["enabled"] = True
-            if wanted == "fp16":
-                section.setdefault("auto_cast", True)
         for name in ("fp16", "bf16"):
             section = config.setdefault(name, {"enabled": False})
             if section.get("enabled") == "auto":

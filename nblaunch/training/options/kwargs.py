@@ -159,12 +159,16 @@ class GradientAccumulationPlugin:
 @dataclass
 class AORecipeKwargs(KwargsHandler):
     """fp8 training through torchao (``mixed_precision="fp8"``): ``config`` a torchao
-    ``Float8LinearConfig`` (None: torchao's, with fp8 all-gathers under FSDP on GPUs), and
+    ``Float8LinearConfig`` (None: torchao's, with the two settings below), and
     ``module_filter_func(module, name) -> bool`` which Linear layers to convert (None: every
-    Linear but the model's first and last, with both sizes divisible by 16, as Accelerate)."""
+    Linear but the model's first and last, with both sizes divisible by 16, as Accelerate).
+    ``pad_inner_dim``: pad sizes to multiples of 16 (default off); ``enable_fsdp_float8_all_gather``:
+    FSDP2 gathers the weights in fp8 (default: on GPUs under an ``fsdp_plugin``)."""
 
     config: Any = None
     module_filter_func: Any = None
+    pad_inner_dim: bool | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
 
 
 # Accelerate's other fp8 recipes: their backends are not nblaunch's.

@@ -119,7 +119,8 @@ def adopt_parallelism_config(config: Any) -> ParallelismConfig:
     values = {name: getattr(config, name) for name in names if hasattr(config, name)}
     if not values:
         raise TypeError(f"parallelism_config must be a ParallelismConfig, not {type(config).__name__}")
-    values.pop("tp_plan", None) if values.get("tp_plan") is None else None
+    if values.get("tp_plan") is None:
+        values.pop("tp_plan", None)
     return ParallelismConfig(**values)
 
 

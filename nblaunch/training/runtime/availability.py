@@ -55,6 +55,7 @@ def is_fp8_available() -> bool:
 
 
 def is_torchao_available() -> bool:
+    """Whether torchao is installed (``mixed_precision="fp8"`` trains through it)."""
     return _installed("torchao")
 
 

@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import warnings
 from typing import Any
@@ -25,6 +27,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from nblaunch.contract.variables import LOCAL_RANK, RANK, WORLD_SIZE
+from nblaunch.training.model.unwrap import is_deepspeed_engine
+from nblaunch.training.options.deepspeed_config import HfDeepSpeedConfig
 from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
 from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.step.gradient_state import GradientState
@@ -48,11 +52,6 @@ def require_deepspeed() -> None:
                           f"({error})") from None
 
 
-def _is_engine(model: Any) -> bool:
-    from deepspeed import DeepSpeedEngine  # deferred: the optional extra, imported by require_deepspeed
-    return isinstance(model, DeepSpeedEngine)
-
-
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine for the one trained model (Accelerate's ``DistributedType.DEEPSPEED``)."""
 
@@ -68,6 +67,7 @@ class DeepSpeedStrategy(Strategy):
         self.wrapper: DeepSpeedEngineWrapper | None = None
         self.gradient_state: GradientState | None = None
         self._warned_clipping = False
+        self._transformers_config = _zero3_init_for_transformers(plugin)  # kept: transformers holds a weakref
 
     def places(self, trainable: bool) -> bool:
         return not trainable  # DeepSpeed moves (or partitions) the model itself
@@ -84,26 +84,53 @@ class DeepSpeedStrategy(Strategy):
     def describe(self) -> str:
         return f"DeepSpeed ZeRO-{self.plugin.zero_stage}"
 
+    def owns_scheduler(self, scheduler: Any) -> bool:
+        return isinstance(scheduler, DeepSpeedSchedulerWrapper)
+
+    def release(self) -> None:
+        if self.wrapper is not None and hasattr(self.wrapper.engine, "destroy"):
+            self.wrapper.engine.destroy()  # its hooks and buffers, as Accelerate's free_memory does
+        self.wrapper = None
+        self.gradient_state = None
+
+    def wrap_model(self, model: torch.nn.Module, device: torch.device, trainable: bool) -> torch.nn.Module:
+        if trainable:  # prepare_together takes every trained model of a prepare() call
+            raise ValueError("under DeepSpeed a trained model is prepared with its optimizer (and training "
+                             "DataLoader) in one prepare() call: DeepSpeed's engine takes them together")
+        return model
+
+    def check_optimizer(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        engine = self.wrapper.engine if self.wrapper is not None else None
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if engine is not None and ids & {id(p) for p in engine.module.parameters()}:
+            raise ValueError("this optimizer trains the DeepSpeed engine's model, which DeepSpeed's own optimizer "
+                             "steps: prepare the model and its optimizer in one prepare() call")
+
     # -- prepare -------------------------------------------------------------------------------
 
     def prepare_together(self, args: tuple, gradient_state: GradientState) -> dict[int, Any]:
-        models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module) and not _is_engine(a)
+        models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module) and not is_deepspeed_engine(a)
                   and any(p.requires_grad for p in a.parameters())]
         if not models:
             return {}
         if len(models) > 1 or self.wrapper is not None:
-            raise ValueError("DeepSpeed trains one model per Accelerator (its engine holds the optimizer): prepare "
-                             "one model, or combine them into one torch.nn.Module")
+            raise ValueError("DeepSpeed trains one model per Accelerator (its engine holds the optimizer): a model "
+                             "that is not trained (a reference, a teacher) is prepared with requires_grad_(False) "
+                             "or prepare_model(model, evaluation_mode=True); several trained ones, as one Module")
         optimizers = [i for i, a in enumerate(args) if isinstance(a, (torch.optim.Optimizer, DummyOptim))
                       and not isinstance(a, AcceleratedOptimizer)]
         if len(optimizers) > 1:
             raise ValueError("DeepSpeed steps one optimizer per model: prepare one")
+        if not optimizers:
+            raise ValueError("under DeepSpeed a trained model is prepared with its optimizer (and training "
+                             "DataLoader) in one prepare() call: DeepSpeed's engine takes them together; a model "
+                             "only evaluated is prepared with prepare_model(model, evaluation_mode=True)")
         schedulers = [i for i, a in enumerate(args) if isinstance(a, DummyScheduler)]
         loaders = [a for a in args if isinstance(a, DataLoader)]
         model = args[models[0]]
         optimizer = args[optimizers[0]] if optimizers else None
         scheduler = args[schedulers[0]] if schedulers else None
-        config = self._filled_config(model, optimizer, scheduler, loaders, gradient_state)  # refuses here
+        config, steps = self._filled_config(model, optimizer, scheduler, loaders, gradient_state)  # refuses here
         kwargs: dict[str, Any] = {"model": model, "config_params": config}
         if isinstance(optimizer, DummyOptim):
             kwargs["model_parameters"] = optimizer.params
@@ -117,6 +144,10 @@ class DeepSpeedStrategy(Strategy):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(**kwargs)
         self.wrapper = DeepSpeedEngineWrapper(engine)
         self.gradient_state = gradient_state
+        gradient_state.num_steps = steps  # the config's, where it set one (as under Accelerate)
+        self.plugin.deepspeed_config.clear()  # the filled config is the plugin's from now on, as Accelerate's
+        self.plugin.deepspeed_config.update(config)
+        self.plugin.hf_ds_config.set_stage_and_offload()
         replaced: dict[int, Any] = {models[0]: engine}
         if optimizer is not None:
             wrapped = DeepSpeedOptimizerWrapper(ds_optimizer, gradient_state)
@@ -126,10 +157,9 @@ class DeepSpeedStrategy(Strategy):
         return replaced
 
     def _filled_config(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, loaders: list[DataLoader],
-                       gradient_state: GradientState) -> dict:
-        """The config with every "auto" filled, checked against the Accelerator; a copy, so a
-        refused prepare leaves the plugin as it was."""
-        from nblaunch.training.options.deepspeed_config import HfDeepSpeedConfig
+                       gradient_state: GradientState) -> tuple[dict, int]:
+        """The config with every "auto" filled, checked against the Accelerator, and the
+        accumulation steps to train with; a copy, so a refused prepare leaves everything as it was."""
         config = HfDeepSpeedConfig(self.plugin.deepspeed_config)
         world = self.state.num_processes
         micro = config.get_value("train_micro_batch_size_per_gpu")
@@ -149,12 +179,17 @@ class DeepSpeedStrategy(Strategy):
             if gradient_state.num_steps != 1:
                 raise ValueError(f"the DeepSpeed config's gradient_accumulation_steps is {steps}, the Accelerator's "
                                  f"{gradient_state.num_steps}: give one of them, or set the config's to \"auto\"")
-            gradient_state.num_steps = steps  # the config's, as under Accelerate
-        steps = gradient_state.num_steps
+        else:
+            steps = gradient_state.num_steps
+        if config.get_value("gradient_accumulation_steps") is None:  # left out: the same as "auto"
+            config.set("gradient_accumulation_steps", steps)
         total = config.get_value("train_batch_size")
         if total not in ("auto", None) and total != micro * steps * world:
             raise ValueError(f"the DeepSpeed config's train_batch_size is {total}, but {micro} per process x {steps} "
                              f"accumulation steps x {world} processes is {micro * steps * world}: set it to \"auto\"")
+        for key, value in (("train_micro_batch_size_per_gpu", micro), ("train_batch_size", micro * steps * world)):
+            if config.get_value(key) is None:  # left out: the same as "auto"
+                config.set(key, value)
         config.fill_auto(**{"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": steps,
                             "train_batch_size": micro * steps * world, "gradient_clipping": 1.0,
                             "zero_optimization.stage3_gather_16bit_weights_on_model_save": False})
@@ -172,7 +207,7 @@ class DeepSpeedStrategy(Strategy):
         left = config.autos()
         if left:
             raise ValueError(f"the DeepSpeed config leaves {left} as \"auto\" and nothing here fills them: give values")
-        return config.config
+        return config.config, steps
 
     def _check_optimizer(self, config: Any, optimizer: Any, scheduler: Any) -> None:
         in_config = "optimizer" in config.config
@@ -185,9 +220,18 @@ class DeepSpeedStrategy(Strategy):
             config.fill_auto(**{"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay})
         elif optimizer is not None:
             config.config.setdefault("zero_allow_untested_optimizer", True)
-        if scheduler is not None and scheduler.lr_scheduler_callable is None and "scheduler" not in config.config:
-            raise ValueError("DummyScheduler stands for the DeepSpeed config's scheduler section (missing) or "
-                             "needs lr_scheduler_callable")
+        if scheduler is not None and scheduler.lr_scheduler_callable is None:
+            if "scheduler" not in config.config:
+                raise ValueError("DummyScheduler stands for the DeepSpeed config's scheduler section (missing) or "
+                                 "needs lr_scheduler_callable")
+            lr = optimizer.lr if isinstance(optimizer, DummyOptim) else (optimizer.defaults.get("lr")
+                                                                          if optimizer is not None else None)
+            total = scheduler.total_num_steps
+            if total is not None and not self.split_batches:  # Accelerate's: steps of one process
+                total = math.ceil(total / self.state.num_processes)
+            config.fill_auto(**{"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": lr,
+                                "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps),
+                                "scheduler.params.total_num_steps": total})
 
     def _cpu_optimizer(self, optimizer: torch.optim.Optimizer, config: dict) -> Any:
         """Offloading the optimizer to the CPU runs DeepSpeed's CPU Adam, as Accelerate swaps it in
@@ -215,7 +259,7 @@ class DeepSpeedStrategy(Strategy):
     def clip_grad_norm_(self, parameters: list, max_norm: float, norm_type: float) -> torch.Tensor:
         """DeepSpeed clipped inside its step (to its config's ``gradient_clipping``): the norm it
         found; a different ``max_norm`` is said once, not applied."""
-        clipping = self.plugin.deepspeed_config.get("gradient_clipping")
+        clipping = self.plugin.deepspeed_config.get("gradient_clipping")  # filled by prepare: 1.0 for "auto"
         if not self._warned_clipping and clipping not in (None, "auto") and float(clipping) != float(max_norm):
             self._warned_clipping = True
             warnings.warn(f"DeepSpeed clips inside its step to gradient_clipping={clipping} (its config); "
@@ -231,7 +275,7 @@ class DeepSpeedStrategy(Strategy):
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        if not _is_engine(model) or model.zero_optimization_stage() != 3:
+        if not is_deepspeed_engine(model) or model.zero_optimization_stage() != 3:
             return super().full_state_dict(model)
         if model.zero_gather_16bit_weights_on_model_save():  # zero3_save_16bit_model: DeepSpeed's own gather
             whole = model._zero3_consolidated_16bit_state_dict()
@@ -246,7 +290,7 @@ class DeepSpeedStrategy(Strategy):
     def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> Written:
         written = super().save_states(models, optimizers, output_dir, state)
         for i, model in enumerate(models):
-            if _is_engine(model):
+            if is_deepspeed_engine(model):
                 model.save_checkpoint(output_dir, deepspeed_tag(i))
                 written.models.add(i)
         written.optimizers.update(i for i, opt in enumerate(optimizers) if isinstance(opt, DeepSpeedOptimizerWrapper))
@@ -256,7 +300,7 @@ class DeepSpeedStrategy(Strategy):
                     state: PartialState) -> Written:
         written = super().load_states(models, optimizers, input_dir, strict, state)
         for i, model in enumerate(models):
-            if _is_engine(model):
+            if is_deepspeed_engine(model):
                 if not os.path.isdir(os.path.join(input_dir, deepspeed_tag(i))):
                     raise FileNotFoundError(f"{input_dir!r} has no {deepspeed_tag(i)}/ (DeepSpeed's checkpoint of model "
                                             f"{i}): it was saved without DeepSpeed; load it the same way it was saved")
@@ -277,3 +321,23 @@ def _one_process_variables() -> None:
         return
     for name, value in ((RANK, "0"), (LOCAL_RANK, "0"), (WORLD_SIZE, "1")):
         os.environ.setdefault(name, value)
+
+
+def _zero3_init_for_transformers(plugin: DeepSpeedPlugin) -> Any:
+    """``zero3_init_flag``: transformers' ``from_pretrained`` then creates models already
+    partitioned (ZeRO-3), reading DeepSpeed's config through a weak reference it keeps; the object
+    is returned for the strategy to hold."""
+    if not plugin.zero3_init_flag:
+        return None
+    try:
+        from transformers.integrations import HfDeepSpeedConfig as TransformersConfig  # deferred: optional
+    except ImportError:
+        raise ImportError("DeepSpeedPlugin(zero3_init_flag=True) partitions models transformers creates, and "
+                          "transformers is not installed: pip install transformers, or zero3_init_flag=False") from None
+    config = copy.deepcopy(plugin.deepspeed_config)
+    for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
+        if config.get(key, "auto") == "auto":
+            config[key] = 1
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]
+    return TransformersConfig(config)

@@ -33,6 +33,7 @@ class DeepSpeedEngineWrapper:
             self.engine.step()  # clips (its gradient_clipping), steps, zeroes, steps its scheduler
 
     def get_global_grad_norm(self) -> float | None:
+        """The gradients' norm DeepSpeed found in its last step (before clipping); None before one."""
         norm = self.engine.get_global_grad_norm()
         return norm.item() if hasattr(norm, "item") else norm
 

@@ -3,7 +3,7 @@ answers of a model that is not spread (the defaults). See the package docstring.
 
 Example::
 
-    strategy = pick_strategy(state, mixed_precision="no", fsdp_plugin=None)
+    strategy = pick_strategy(state, "no", DistributedDataParallelKwargs())
     model = strategy.wrap_model(model, device, trainable=True)
     strategy.backward(loss, scaler=None)
 """
@@ -78,6 +78,7 @@ class Strategy:
         return True
 
     def clip_grad_value_(self, parameters: list, clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]``."""
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def native_amp(self) -> bool:
@@ -107,11 +108,20 @@ class Strategy:
         """Why a checkpoint without model ``i``'s plain weights cannot load here (what the folder
         holds instead), or None."""
         if os.path.isdir(os.path.join(input_dir, sharded_layout.sharded_model_dir(i))):
-            return "a sharded model (saved with an fsdp_plugin): load it the same way, with Accelerator(fsdp_plugin=...)"
+            return ("a model saved in pieces (with an fsdp_plugin, or tensor parallel): load it the same way, "
+                    "with Accelerator(fsdp_plugin=...) or Accelerator(parallelism_config=...)")
         if os.path.isdir(os.path.join(input_dir, deepspeed_tag(i))):
             return (f"a DeepSpeed checkpoint ({deepspeed_tag(i)}/): load it the same way, with "
                     "Accelerator(deepspeed_plugin=...)")
         return None
+
+    def owns_scheduler(self, scheduler: Any) -> bool:
+        """Whether the strategy's checkpoint holds this prepared scheduler (DeepSpeed's engine saves
+        the scheduler it steps), so the plain checkpoint leaves it out."""
+        return False
+
+    def release(self) -> None:
+        """Let go of what the strategy prepared (``free_memory``): the next ``prepare`` starts anew."""
 
     def describe(self) -> str:
         """One line for ``repr`` and errors."""

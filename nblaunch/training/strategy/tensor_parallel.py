@@ -33,6 +33,7 @@ _STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwis
 
 
 def has_dtensor_parameters(model: torch.nn.Module) -> bool:
+    """Whether any parameter of the model is a ``DTensor`` (split by tensor parallelism or FSDP2)."""
     from torch.distributed.tensor import DTensor  # deferred: public from torch 2.5, and only TP and FSDP2 make them
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -96,23 +97,21 @@ class TensorParallel(Strategy):
                                       f"give tp_size={state.num_processes} (every rank)")
         self.config = config
         self.state = state
-        self.device_mesh = None
+        # Built now, as Accelerate does: from_pretrained(..., device_mesh=accelerator.torch_device_mesh)
+        # needs it before prepare.
+        state.ensure_process_group()
+        self.device_mesh = config.build_device_mesh(state.device.type)
 
     def describe(self) -> str:
         return f"tensor parallel over {self.config.tp_size} ranks"
 
-    def _mesh(self, device: torch.device) -> Any:
-        if self.device_mesh is None:
-            self.state.ensure_process_group()
-            self.device_mesh = self.config.build_device_mesh(device.type)
-        return self.device_mesh
-
     def wrap_model(self, model: torch.nn.Module, device: torch.device, trainable: bool) -> torch.nn.Module:
-        mesh = self._mesh(device)
-        if has_dtensor_parameters(model):
-            return model  # split already (transformers' from_pretrained(tp_plan=...)): as Accelerate, kept
+        if not trainable or has_dtensor_parameters(model):
+            # A frozen or evaluated model stays whole on every rank; one split already
+            # (transformers' from_pretrained(tp_plan=...)) is kept, as Accelerate does.
+            return model
         from torch.distributed.tensor.parallel import parallelize_module  # deferred: TP only
-        return parallelize_module(model, mesh["tp"], model_plan(model, self.config.tp_plan))
+        return parallelize_module(model, self.device_mesh["tp"], model_plan(model, self.config.tp_plan))
 
     def check_optimizer(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         sharded_layout.owner_of(models, optimizer, has_dtensor_parameters)
@@ -148,11 +147,13 @@ class TensorParallel(Strategy):
         from nblaunch.training.model.unwrap import unwrap_model
         if not has_dtensor_parameters(model):
             return super().full_state_dict(model)
-        whole = {name: value.full_tensor() if isinstance(value, DTensor) else value
-                 for name, value in unwrap_model(model).state_dict().items()}  # collectives: every rank
-        if not self.state.is_main_process:
-            return {}
-        return {name: value.detach().cpu() for name, value in whole.items()}
+        main = self.state.is_main_process
+        whole = {}
+        for name, value in unwrap_model(model).state_dict().items():  # in order on every rank: collectives
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if main:  # one weight gathered at a time: no rank holds the whole model on its device
+                whole[name] = value.detach().cpu()
+        return whole
 
     def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> Written:
         return sharded_layout.save(models, optimizers, output_dir, spread=has_dtensor_parameters)
