@@ -66,6 +66,7 @@ def train(kind: str, tp: int, folder: str | None = None) -> dict:
     accelerator, model, optimizer, loader = prepared()
     losses, seen = [], []
     for step, (x,) in enumerate(loader):
+        assert accelerator.gather_for_metrics(x).shape == x.shape  # one data shard: nothing repeated
         seen.append(x.sum().item())
         loss = loss_of(model, x)
         accelerator.backward(loss)

@@ -37,8 +37,12 @@ class CollectiveMethods(AcceleratorHost):
         so over a whole prepared DataLoader the results match the dataset exactly.
 
         Tensors may differ in length along dim 0 between processes (``even_batches=False``).
-        Non-tensor data (or ``use_gather_object=True``) goes through ``gather_object``.
+        Non-tensor data (or ``use_gather_object=True``) goes through ``gather_object``. Where
+        every rank read the same batches (tensor parallel over all ranks) it is returned as it is.
         """
+        shards, _ = self._strategy.data_ranks(self.num_processes, self.process_index)
+        if shards == 1:
+            return input_data
         as_objects = use_gather_object or not _all_tensors(input_data)
         if as_objects:
             data = collectives.gather_object(input_data if isinstance(input_data, (list, tuple)) else [input_data])
