@@ -135,6 +135,42 @@ def test_a_checkpoint_resumes_the_split_model_where_it_stopped(runs):
         assert len(rank["losses"]) == len(runs[kind]["one"]["losses"])
 
 
+def two_d(dp_shard: int) -> dict:
+    """The plain model over a (dp_shard, tp) mesh with FSDP2 between the groups, or DDP (dp_shard=0)."""
+    from nblaunch.utils import FullyShardedDataParallelPlugin
+
+    if dp_shard:
+        accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=dp_shard, tp_size=2, tp_plan=MLP_PLAN),
+                                  fsdp_plugin=FullyShardedDataParallelPlugin())
+    else:
+        accelerator = Accelerator()
+    model = mlp()
+    data = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader)
+    losses = []
+    for (x,) in loader:
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    up = accelerator.unwrap_model(model)[0].up.weight
+    return {"losses": losses, "type": accelerator.distributed_type.value,
+            "local": tuple(up.to_local().shape) if hasattr(up, "to_local") else tuple(up.shape)}
+
+
+def test_fsdp2_between_two_tensor_parallel_groups_trains_as_ddp_over_the_groups():
+    from tests.training.conftest import run_launch
+
+    ddp = run_launch(two_d, 0)  # 2 ranks: the 2 data shards
+    grid = run_launch(two_d, 2, num_processes=4)  # ranks 0, 1 read shard 0; ranks 2, 3 shard 1
+    for rank, result in enumerate(grid):
+        assert max(abs(a - b) for a, b in zip(result["losses"], ddp[rank // 2]["losses"])) < 1e-5
+        assert result["type"] == "FSDP" and result["local"] == (16, 32)  # 64 x 32 split by tp, then by dp_shard
+
+
 def test_bad_layouts_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match=r"tp_size 2 = 2, but there are 1 processes: make the sizes multiply to 1"):
         Accelerator(parallelism_config=ParallelismConfig(tp_size=2))

@@ -37,8 +37,11 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: torch.nn.Module, settings: ShardingSettings, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` (already on ``device``) over the world, as ``settings`` say; returns it."""
+def shard_model(model: torch.nn.Module, settings: ShardingSettings, device: torch.device,
+                mesh: Any = None) -> torch.nn.Module:
+    """Shard ``model`` (already on ``device``) over the world, or over ``mesh`` (the data-parallel
+    dimension of a tensor-parallel layout, whose parameters are split already), as ``settings``
+    say; returns it."""
     # deferred: FSDP2 is in torch.distributed.fsdp from torch 2.6 on (pyproject allows 2.4)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -47,6 +50,9 @@ def shard_model(model: torch.nn.Module, settings: ShardingSettings, device: torc
     if settings.param_dtype is not None:
         _upcast_trainable(model)
     if settings.sync_module_states:
+        if mesh is not None:
+            raise NotImplementedError("sync_module_states with tensor parallelism is not supported by nblaunch: "
+                                      "build the model from the same seed on every rank instead")
         _copy_from_rank_0(model, device)
     offload = settings.cpu_offload and device.type != "cpu"
     if settings.cpu_offload and not offload:
@@ -55,7 +61,7 @@ def shard_model(model: torch.nn.Module, settings: ShardingSettings, device: torc
     options: dict[str, Any] = {
         # The device's own mesh: FSDP2's default follows the machine's accelerator, which is not
         # this rank's device under Accelerator(cpu=True) on a GPU machine.
-        "mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+        "mesh": mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),)),
         "mp_policy": MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype,
                                           output_dtype=settings.output_dtype,
                                           cast_forward_inputs=settings.cast_forward_inputs),

@@ -67,7 +67,7 @@ class ParallelismConfig:
             if getattr(self, name) > 1:
                 raise NotImplementedError(f"ParallelismConfig({name}={getattr(self, name)}): context and sequence "
                                           "parallelism are not supported by nblaunch; use tp_size and dp_shard_size")
-        if self.tp_enabled and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
+        if self.tp_enabled and self.dp_replicate_size > 1:
             raise ValueError(f"ParallelismConfig(tp_size={self.tp_size}, dp_replicate_size={self.dp_replicate_size}): "
                              "tensor parallelism with whole copies is not supported (as in Accelerate): shard "
                              "between the copies instead (dp_shard_size with an fsdp_plugin)")

@@ -30,7 +30,10 @@ def pick_strategy(state: PartialState, mixed_precision: str, ddp_options: Distri
     on_xla = state.distributed_type is DistributedType.XLA
     layout = adopt_parallelism_config(parallelism_config) if parallelism_config is not None else None
     tensor_parallel = layout is not None and layout.tp_enabled
-    asked = [name for name, plugin in (("fsdp_plugin", fsdp_plugin), ("deepspeed_plugin", deepspeed_plugin),
+    # FSDP2 between tensor-parallel groups is one stack (2-D), with dp_shard_size.
+    two_d = tensor_parallel and fsdp_plugin is not None and layout.dp_shard_enabled
+    asked = [name for name, plugin in (("fsdp_plugin", None if two_d else fsdp_plugin),
+                                       ("deepspeed_plugin", deepspeed_plugin),
                                        ("parallelism_config(tp_size > 1)", layout if tensor_parallel else None))
              if plugin is not None]
     if len(asked) > 1:
@@ -41,7 +44,8 @@ def pick_strategy(state: PartialState, mixed_precision: str, ddp_options: Distri
             raise NotImplementedError("tensor parallelism is not supported on XLA devices by nblaunch")
         # deferred: torch's tensor parallel modules load only for tensor parallelism
         from nblaunch.training.strategy.tensor_parallel import TensorParallel
-        return TensorParallel(layout, state)
+        sharding = sharding_settings(fsdp_plugin, mixed_precision) if two_d else None
+        return TensorParallel(layout, state, sharding)
     if layout is not None and layout.total_size > 1:  # data parallel sizes only: DDP, or FSDP2 for dp_shard
         layout.check_world(state.num_processes)
         if layout.dp_shard_enabled and fsdp_plugin is None:

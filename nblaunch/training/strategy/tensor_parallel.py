@@ -20,8 +20,10 @@ from typing import Any, Mapping
 
 import torch
 
+from nblaunch.training.model.fsdp import shard_model
+from nblaunch.training.options.fsdp_plugin import ShardingSettings
 from nblaunch.training.options.parallelism import ParallelismConfig
-from nblaunch.training.runtime.state import PartialState
+from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.strategy import sharded_layout
 from nblaunch.training.strategy.interface import Strategy
 from nblaunch.training.strategy.written import Written
@@ -88,13 +90,21 @@ def model_plan(model: torch.nn.Module, given: Mapping[str, Any] | None) -> dict[
 class TensorParallel(Strategy):
     """Tensor parallelism over the mesh's ``tp`` dimension (Accelerate's ``ParallelismConfig(tp_size=...)``)."""
 
-    def __init__(self, config: ParallelismConfig, state: PartialState) -> None:
+    def __init__(self, config: ParallelismConfig, state: PartialState, sharding: ShardingSettings | None = None) -> None:
         config.check_world(state.num_processes)
-        if config.data_parallel_size > 1:
-            raise NotImplementedError(f"ParallelismConfig(tp_size={config.tp_size}) with dp_shard_size="
-                                      f"{config.dp_shard_size}, dp_replicate_size={config.dp_replicate_size}: tensor "
-                                      "parallelism together with data parallelism is not supported by nblaunch yet; "
-                                      f"give tp_size={state.num_processes} (every rank)")
+        if config.dp_replicate_enabled:
+            raise NotImplementedError(f"ParallelismConfig(tp_size={config.tp_size}, dp_replicate_size="
+                                      f"{config.dp_replicate_size}): tensor parallelism with whole copies between "
+                                      "groups is not supported by nblaunch; shard between them with dp_shard_size "
+                                      "and an fsdp_plugin")
+        if config.dp_shard_enabled != (sharding is not None):
+            raise ValueError(f"ParallelismConfig(tp_size={config.tp_size}, dp_shard_size={config.dp_shard_size}) "
+                             + ("shards between the tensor-parallel groups with FSDP2: give an fsdp_plugin too"
+                                if config.dp_shard_enabled else
+                                "with an fsdp_plugin: FSDP2 shards over dp_shard_size, which is 1; give it"))
+        self.sharding = sharding
+        if sharding is not None:
+            self.distributed_type = DistributedType.FSDP  # as Accelerate says with an fsdp_plugin
         self.config = config
         self.state = state
         # Built now, as Accelerate does: from_pretrained(..., device_mesh=accelerator.torch_device_mesh)
@@ -103,7 +113,11 @@ class TensorParallel(Strategy):
         self.device_mesh = config.build_device_mesh(state.device.type)
 
     def describe(self) -> str:
-        return f"tensor parallel over {self.config.tp_size} ranks"
+        sharded = f", FSDP2 over {self.config.dp_shard_size} groups" if self.sharding else ""
+        return f"tensor parallel over {self.config.tp_size} ranks{sharded}"
+
+    def autocasts(self, trainable: bool) -> bool:
+        return self.sharding is None or not trainable  # FSDP2 computes in its policy's dtype
 
     def wrap_model(self, model: torch.nn.Module, device: torch.device, trainable: bool) -> torch.nn.Module:
         if not trainable or has_dtensor_parameters(model):
@@ -111,7 +125,10 @@ class TensorParallel(Strategy):
             # (transformers' from_pretrained(tp_plan=...)) is kept, as Accelerate does.
             return model
         from torch.distributed.tensor.parallel import parallelize_module  # deferred: TP only
-        return parallelize_module(model, self.device_mesh["tp"], model_plan(model, self.config.tp_plan))
+        model = parallelize_module(model, self.device_mesh["tp"], model_plan(model, self.config.tp_plan))
+        if self.sharding is not None:  # then FSDP2 between the groups: 2-D parameters (dp_shard, tp)
+            model = shard_model(model, self.sharding, device, mesh=self.device_mesh["dp_shard"])
+        return model
 
     def check_optimizer(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         sharded_layout.owner_of(models, optimizer, has_dtensor_parameters)
