@@ -157,6 +157,10 @@ def two_d(dp_shard: int) -> dict:
         optimizer.zero_grad()
         losses.append(loss.item())
     up = accelerator.unwrap_model(model)[0].up.weight
+    if dp_shard:  # Accelerate's mesh ranks: tp innermost
+        rank = accelerator.process_index
+        assert (accelerator.tensor_parallel_rank, accelerator.data_parallel_shard_rank) == (rank % 2, rank // 2)
+        assert accelerator.data_parallel_rank == 0
     return {"losses": losses, "type": accelerator.distributed_type.value,
             "local": tuple(up.to_local().shape) if hasattr(up, "to_local") else tuple(up.shape)}
 

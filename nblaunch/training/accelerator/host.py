@@ -117,6 +117,31 @@ class AcceleratorHost:
         return self._strategy.device_mesh
 
     @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (0 where ``tp_size`` is 1)."""
+        return self._mesh_rank("tp", "tp_enabled")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's place along ``dp_replicate`` (0 where its size is 1)."""
+        return self._mesh_rank("dp_replicate", "dp_replicate_enabled")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This rank's place along ``dp_shard`` (0 where its size is 1)."""
+        return self._mesh_rank("dp_shard", "dp_shard_enabled")
+
+    def _mesh_rank(self, dimension: str, enabled: str) -> int:
+        if self.parallelism_config is None:
+            raise RuntimeError(f"the {dimension} rank needs a layout: give Accelerator(parallelism_config=...)")
+        if not getattr(self.parallelism_config, enabled):
+            return 0
+        mesh = self._strategy.device_mesh
+        if mesh is not None and dimension in (mesh.mesh_dim_names or ()):
+            return mesh.get_local_rank(dimension)
+        return self.process_index  # the layout's only dimension (DDP or FSDP2 alone): every rank along it
+
+    @property
     def use_distributed(self) -> bool:
         return self.state.num_processes > 1
 
