@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from nblaunch.contract.variables import ACCELERATE_MIXED_PRECISION, MIXED_PRECISION
 
 __all__ = ["ListedEnum", "PrecisionType", "AUTO", "PRECISIONS", "parse_precision", "precision_from_environ",
-           "fast_precision", "cpu_computes_bf16"]
+           "fast_precision", "cpu_computes_bf16", "BF16_HARDWARE", "FP8_HARDWARE", "FP8_EMULATED_ON_CPU"]
 
 
 class ListedEnum(str, enum.Enum):
@@ -39,7 +39,7 @@ class ListedEnum(str, enum.Enum):
 
 
 class PrecisionType(ListedEnum):
-    """``mixed_precision`` values, as Accelerate names them (nblaunch's Accelerator refuses FP8)."""
+    """``mixed_precision`` values, as Accelerate names them (FP8 through torchao)."""
 
     NO = "no"
     FP8 = "fp8"
@@ -52,6 +52,10 @@ AUTO = "auto"  # nblaunch's own word: the precision the device computes fast
 PRECISIONS = (PrecisionType.NO.value, PrecisionType.FP16.value, PrecisionType.BF16.value, PrecisionType.FP8.value,
               AUTO)
 BF16_HARDWARE = (8, 0)  # CUDA compute capability with bf16 in hardware (Ampere); a T4 is (7, 5)
+FP8_HARDWARE = (8, 9)  # the first with fp8 tensor cores (Ada, Hopper): fp8 is fast from here on
+# What the launcher and every rank say where fp8 runs on the CPU.
+FP8_EMULATED_ON_CPU = ("mixed_precision='fp8' on the CPU: torchao emulates the float8 matmuls, which trains as on an "
+                       "fp8 GPU and is no faster (fp8 is fast on GPUs of compute capability 8.9 and later)")
 _ALIASES = {"none": "no", "fp32": "no", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 import resource
 import sys
+import warnings
 from dataclasses import dataclass
 
 from nblaunch.contract import variables as v
-from nblaunch.contract.precision import AUTO, fast_precision
+from nblaunch.contract.precision import AUTO, FP8_EMULATED_ON_CPU, FP8_HARDWARE, fast_precision
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import cuda_culprit, devices, ports, tpu
 from nblaunch.launch.planning.request import START_METHODS, LaunchRequest
@@ -239,7 +239,7 @@ def check_fp8(mixed_precision: str, device_kind: str, capability: tuple[int, int
     (the ``nblaunch[fp8]`` extra), fast on GPUs of compute capability 8.9 on, emulated on the CPU."""
     if mixed_precision != "fp8":
         return
-    if device_kind == "cuda" and capability is not None and capability < (8, 9):
+    if device_kind == "cuda" and capability is not None and capability < FP8_HARDWARE:
         raise LaunchConfigError(f"mixed_precision='fp8' needs GPUs with fp8 units (compute capability 8.9 and "
                                 f"later); this machine's are {capability[0]}.{capability[1]}: use 'bf16' (or 'fp16' "
                                 "where bf16 is emulated), or cpu=True to try fp8 emulated on the CPU")
@@ -247,9 +247,7 @@ def check_fp8(mixed_precision: str, device_kind: str, capability: tuple[int, int
         raise LaunchConfigError('mixed_precision=\'fp8\' trains through torchao, which is not installed: '
                                 'pip install "nblaunch[fp8]" (or use mixed_precision=\'bf16\')')
     if device_kind == "cpu":
-        warnings.warn("mixed_precision='fp8' on the CPU: torchao emulates the float8 matmuls, which trains as on an "
-                      "fp8 GPU and is no faster (fp8 is fast on GPUs of compute capability 8.9 and later)",
-                      stacklevel=5)
+        warnings.warn(FP8_EMULATED_ON_CPU, stacklevel=5)
 
 
 # Open files the launcher holds per rank: 4 pipe ends, a pidfd, a log file (and, while a rank

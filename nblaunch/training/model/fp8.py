@@ -17,14 +17,13 @@ from typing import Any, Callable
 
 import torch
 
+from nblaunch.contract.precision import FP8_EMULATED_ON_CPU, FP8_HARDWARE
 from nblaunch.training.options.kwargs import AORecipeKwargs
 
 __all__ = ["require_torchao", "check_fp8_device", "convert_to_fp8", "accelerates_filter", "has_fp8_layers",
-           "rescale_after_step", "gathers_in_fp8", "optimizer_trains",
-           "FP8_CAPABILITY"]
+           "rescale_after_step", "gathers_in_fp8", "optimizer_trains"]
 
 INSTALL = 'pip install "nblaunch[fp8]"'
-FP8_CAPABILITY = (8, 9)  # Ada and Hopper on: the first GPUs with fp8 tensor cores
 
 
 def require_torchao() -> None:
@@ -40,15 +39,14 @@ def check_fp8_device(device: torch.device) -> None:
     """Where fp8 cannot run, an error naming the device; where torchao only emulates it, a warning."""
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
-        if capability < FP8_CAPABILITY:
+        if capability < FP8_HARDWARE:
             raise ValueError(f"mixed_precision='fp8' needs a GPU with fp8 units (compute capability 8.9 and later); "
                              f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use 'bf16' "
                              "(or 'fp16' where bf16 is emulated)")
         return
     if device.type != "cpu":
         raise ValueError(f"mixed_precision='fp8' runs on CUDA GPUs (and, emulated, the CPU), not on {device.type}")
-    warnings.warn("mixed_precision='fp8' on the CPU: torchao emulates the float8 matmuls, which trains as on an fp8 "
-                  "GPU and is no faster (fp8 is fast on GPUs of compute capability 8.9 and later)", stacklevel=4)
+    warnings.warn(FP8_EMULATED_ON_CPU, stacklevel=4)
 
 
 def accelerates_filter(model: torch.nn.Module) -> Callable[[torch.nn.Module, str], bool]:
