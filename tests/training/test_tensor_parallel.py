@@ -63,17 +63,20 @@ def train(kind: str, tp: int, folder: str | None = None) -> dict:
     def loss_of(model, x):
         return model(input_ids=x, labels=x).loss if kind == "llama" else model(x).pow(2).mean()
 
-    accelerator, model, optimizer, loader = prepared()
-    losses, seen = [], []
-    for step, (x,) in enumerate(loader):
-        assert accelerator.gather_for_metrics(x).shape == x.shape  # one data shard: nothing repeated
-        seen.append(x.sum().item())
+    def train_on(x):
         loss = loss_of(model, x)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+
+    accelerator, model, optimizer, loader = prepared()
+    losses, seen = [], []
+    for step, (x,) in enumerate(loader):
+        assert accelerator.gather_for_metrics(x).shape == x.shape  # one data shard: nothing repeated
+        seen.append(x.sum().item())
+        train_on(x)
         if folder and step == 1:
             accelerator.save_state(folder)
             accelerator, model, optimizer, loader = prepared()
@@ -81,12 +84,7 @@ def train(kind: str, tp: int, folder: str | None = None) -> dict:
             break
     if folder:
         for (x,) in loader:  # the loader resumes at batch 2: load_state restored its position
-            loss = loss_of(model, x)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+            train_on(x)
     local = {name: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
              for name, p in accelerator.unwrap_model(model).named_parameters()}
     return {"losses": losses, "seen": seen, "local": local, "weights": accelerator.get_state_dict(model),
