@@ -18,7 +18,7 @@ from nblaunch.homes import all_kept, open_home
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.warm_start.report import warm_start  # noqa: F401  (a public name: nblaunch.warm_start)
 from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
@@ -50,6 +50,7 @@ def notebook_launcher(
     resources: dict[str, Any] | None = None,
     cpu: bool = False,
     detach: bool = False,
+    stall_after: float | None = STALL_AFTER_S,
 ) -> list[Any] | "Launch" | DetachedLaunch:
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
@@ -107,6 +108,10 @@ def notebook_launcher(
             again (from any kernel of yours), with ``result()`` and ``cancel()``. With
             ``cluster="ray"`` a detached actor of the cluster keeps it, for any driver
             connected to the cluster.
+        stall_after: seconds without progress (no line, bar, metric, and no rank's code moving)
+            after which the cell shows, without stopping anything, each rank's stack and which
+            ranks wait in which collective for which rank; cleared when progress resumes.
+            None never looks.
         rdzv_endpoint: Accelerate's ``"host:port"`` of the rendezvous: the same as
             ``master_addr`` and ``use_port`` (refused where they disagree).
         rdzv_id: the job's name, ``TORCHELASTIC_RUN_ID`` in every rank as under torchrun.
@@ -147,6 +152,7 @@ def notebook_launcher(
         function, args, num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
         master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, start_method=start_method,
         timeout=timeout, display=display, cpu=cpu, max_restarts=max_restarts, cluster=cluster, resources=resources,
+        stall_after=stall_after,
         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
         monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template)
     home = open_home(request)
@@ -170,7 +176,7 @@ def notebook_launcher(
 # How the ranks start: decided when a WarmRanks is made, so not for ranks= to change.
 _DECIDED_BY_THE_POOL = ("mixed_precision", "use_port", "master_addr", "node_rank", "start_method", "max_restarts",
                         "monitor_interval", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "rdzv_id",
-                        "log_line_prefix_template", "cluster", "cpu")
+                        "log_line_prefix_template", "cluster", "cpu", "stall_after")
 
 
 def _refuse_launch_options_on_warm_ranks(given: dict[str, Any]) -> None:

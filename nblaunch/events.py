@@ -106,6 +106,49 @@ class CallFinished:
 
 
 @dataclass(frozen=True)
+class CallFailed:
+    """A warm rank's call raised (``failure``: a ``RankFailure``); the rank serves on."""
+
+    rank: int
+    call_id: int
+    failure: Any
+
+
+@dataclass(frozen=True)
+class CallSteps:
+    """How many step boundaries a warm rank had passed in its call when an interrupt asked."""
+
+    rank: int
+    call_id: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class GroupReleased:
+    """A warm rank released its process group's collectives (``why_not``: "" or why it could not)."""
+
+    rank: int
+    why_not: str
+
+
+@dataclass(frozen=True)
+class Stalled:
+    """No rank made progress for ``silent_s`` seconds: ``verdict`` says which ranks wait in which
+    collective and which rank is elsewhere (each rank's stack came as ``Stacks(why="quiet")``).
+    Nothing was stopped."""
+
+    silent_s: float
+    verdict: str
+
+
+@dataclass(frozen=True)
+class StallCleared:
+    """Progress again after a ``Stalled``."""
+
+    after_s: float
+
+
+@dataclass(frozen=True)
 class Stacks:
     """Where every thread of a rank was when the launcher asked.
 
@@ -218,7 +261,8 @@ class LaunchFinished:
 
 Event = (
     LaunchStarted | ClusterWaiting | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
-    | LaunchRestarting | LaunchFinished | CallFinished | RankDevice | GpuUsage
+    | LaunchRestarting | LaunchFinished | CallFinished | CallFailed | CallSteps | GroupReleased | RankDevice
+    | GpuUsage | Stalled | StallCleared
 )
 
 

@@ -17,7 +17,7 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["is_launcher_code", "is_python_machinery", "is_users", "name_cells", "where"]
+__all__ = ["first_frames", "is_launcher_code", "is_python_machinery", "is_users", "name_cells", "where"]
 
 _PACKAGE = os.path.dirname(os.path.realpath(__file__))
 _EXAMPLES = (os.path.join(_PACKAGE, "demo.py"),)  # the user's code when it runs
@@ -48,6 +48,18 @@ def where(text: str, with_code: bool = True) -> str:
     """``place, in function: code`` of the innermost frame of the user's own code in a
     traceback or in the first thread of a stack dump (else of a library's, else its innermost
     frame); "" when the text holds no frame."""
+    frames = first_frames(text)
+    if not frames:
+        return ""
+    own = [f for f in frames if is_users(f[0])]
+    not_ours = [f for f in frames if not is_launcher_code(f[0])]  # a library's, before nblaunch's own
+    path, line, function, code = (own or not_ours or frames)[-1]
+    return f"{_place(path, line)}, in {function}" + (f": {code}" if code and with_code else "")
+
+
+def first_frames(text: str) -> list[tuple[str, int, str, str]]:
+    """``(path, line, function, code)`` of each frame of a traceback, or of the first thread of a
+    stack dump (a rank's main thread), outermost first."""
     first_thread = re.split(r"\n(?=Thread )", text.strip())[0].splitlines()
     frames = []
     for i, line in enumerate(first_thread):
@@ -56,12 +68,7 @@ def where(text: str, with_code: bool = True) -> str:
             following = first_thread[i + 1] if i + 1 < len(first_thread) else ""
             code = following.strip() if following.startswith("    ") and not _FRAME.match(following) else ""
             frames.append((match["path"], int(match["line"]), match["function"], code))
-    if not frames:
-        return ""
-    own = [f for f in frames if is_users(f[0])]
-    not_ours = [f for f in frames if not is_launcher_code(f[0])]  # a library's, before nblaunch's own
-    path, line, function, code = (own or not_ours or frames)[-1]
-    return f"{_place(path, line)}, in {function}" + (f": {code}" if code and with_code else "")
+    return frames
 
 
 def name_cells(text: str) -> str:

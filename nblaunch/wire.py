@@ -23,6 +23,10 @@ CLEANED = b"C"  # empty body: the process stopped everything it had started, and
 CALL_RESULT = b"A"  # warm ranks: pickled (call_id, return value of the call)
 DEVICE = b"G"  # pickled (device, mixed precision) of the rank's Accelerator, when it is made
 IMPORTED = b"O"  # pickled list: the installed modules the rank imported (nblaunch.facts.installed), at its end
+CALL_FAILED = b"f"  # warm ranks: pickled (call_id, RankFailure): the call raised; the rank serves on
+STEPS = b"s"  # warm ranks: pickled (call_id, step boundaries passed in the call), asked by INTERRUPT
+RELEASED = b"r"  # warm ranks: pickled str, "" or why not: the rank released its group (RELEASE)
+MOVED = b"m"  # empty body: the rank's main thread moved since the last one (nblaunch.worker.movement)
 STANDBY = b"B"  # a rank on standby (nblaunch.server.standby_rank): pickled ("ready", facts) or ("left", why)
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
@@ -32,6 +36,8 @@ CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
 CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
+INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.cell_stop)
+RELEASE = b"x"  # warm ranks: empty body: make the group's waiting collectives raise (a peer failed)
 CLAIM = b"K"  # empty body: a launch takes a rank on standby; the rank answers with the same frame
 
 # Kernel <-> each process of its launch server (nblaunch.server), on a socket of its own

@@ -23,7 +23,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from nblaunch.events import CallFinished, Event, LaunchFinished, LaunchStarted, RankStarted
+from nblaunch.events import (CallFailed, CallFinished, CallSteps, Event, GroupReleased, LaunchFinished, LaunchStarted,
+                             RankStarted)
 
 
 class CallTimedOut(Exception):
@@ -31,32 +32,55 @@ class CallTimedOut(Exception):
 
 
 class Call:
-    """The events of one call, in order, up to its last rank's result or the pool's end."""
+    """The events of one call, in order, up to its last rank's answer or the pool's end."""
 
     def __init__(self, call_id: int, num_ranks: int) -> None:
         self.call_id = call_id
         self.num_ranks = num_ranks
         self.results: dict[int, Any] = {}
+        self.failures: dict[int, Any] = {}  # rank -> RankFailure: the call raised there
+        self.steps: dict[int, int] = {}  # rank -> step boundaries passed, when an interrupt asked
+        self.released: dict[int, str] = {}  # rank -> "" (released its group) or why it could not
         self.ended: LaunchFinished | None = None  # the pool ended during the call
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
     def put(self, event: Event) -> None:
         self._queue.put(event)
 
-    def events(self, deadline: float | None) -> Iterator[Event]:
-        """Every event to show until each rank answered (or the pool ended); raises
-        CallTimedOut at ``deadline`` (the caller then stops the pool and keeps reading)."""
-        while len(self.results) < self.num_ranks and self.ended is None:
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
+    @property
+    def over(self) -> bool:
+        return self.ended is not None or len(self.results) + len(self.failures) >= self.num_ranks
+
+    @property
+    def unanswered(self) -> list[int]:
+        return [r for r in range(self.num_ranks) if r not in self.results and r not in self.failures]
+
+    def events(self, deadline: float | None, tick: float | None = None) -> Iterator[Event | None]:
+        """Every event to show until each rank answered (or the pool ended), and None every
+        ``tick`` seconds without one; raises CallTimedOut at ``deadline`` (the caller then stops
+        the pool and keeps reading)."""
+        while not self.over:
+            waits = [w for w in (None if deadline is None else deadline - time.monotonic(), tick) if w is not None]
+            if deadline is not None and waits[0] <= 0:
                 raise CallTimedOut()
             try:
-                event = self._queue.get(timeout=wait)
+                event = self._queue.get(timeout=min(waits) if waits else None)
             except queue.Empty:
+                yield None
                 continue
+            if isinstance(event, (CallFinished, CallFailed, CallSteps)) and event.call_id != self.call_id:
+                continue  # an earlier call's late answer
             if isinstance(event, CallFinished):
-                if event.call_id == self.call_id:
-                    self.results[event.rank] = event.result
+                self.results[event.rank] = event.result
+                continue
+            if isinstance(event, CallFailed):
+                self.failures[event.rank] = event.failure
+                continue
+            if isinstance(event, CallSteps):
+                self.steps[event.rank] = event.steps
+                continue
+            if isinstance(event, GroupReleased):
+                self.released[event.rank] = event.why_not
                 continue
             if isinstance(event, LaunchFinished):
                 self.ended = event

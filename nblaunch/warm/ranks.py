@@ -3,9 +3,11 @@
 The pool is a launch like any other (same plan, lifelines, logs, stacks, teardown); the
 function its ranks run is a loop that serves calls (``nblaunch.worker.calls``). A call goes to
 every rank as one frame on its control pipe and comes back as one ``CALL_RESULT`` per rank.
-Success keeps the processes, their process group and whatever the functions stored in them. A
-failure, an interrupt or a timeout ends the pool exactly as it ends a launch (stacks, every rank
-stopped and reaped); the next call starts a fresh pool and says so in one line.
+A call's end keeps the processes, their process group and whatever the functions stored in them,
+whether it returned, raised (as a notebook cell's error) or was interrupted (``settling`` brings
+every rank back to its call loop first). Ranks that can no longer run together (one died, or
+stays stuck), and a timeout, end the pool as a launch ends (stacks, every rank stopped and
+reaped); the next call starts a fresh pool and says so in one line.
 """
 
 from __future__ import annotations
@@ -20,27 +22,30 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from nblaunch import wire
 from nblaunch.detached import call_socket, store
 from nblaunch.display import make_display
-from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
+from nblaunch.events import Display, RankStarted, RankState
 from nblaunch.homes import home_class, open_home
 from nblaunch.launch import ipython_errors
-from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.packing import Payload
-from nblaunch.launch.supervising.interrupts import interrupts_wait
+from nblaunch.warm.call_outcome import finish_call
 from nblaunch.warm.call_router import CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
+from nblaunch.warm.settling import Settling
 from nblaunch.worker.calls import serve_calls
+from nblaunch.worker.pool_group import reform_group
 
 _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
+_REFORM_S = 60.0  # backstop for re-forming the group: gloo connects in milliseconds
 
 
 class WarmRanks:
@@ -113,6 +118,7 @@ class WarmRanks:
         self._launch: Launch | None = None
         self._router: CallRouter | None = None
         self._ids = itertools.count(1)
+        self._generations = itertools.count(1)  # of the group, re-formed after a release
         self._one_call = threading.Lock()
         self._ended_with: str | None = None  # why the last pool ended, said once by the next call
         self._closed = False
@@ -135,27 +141,41 @@ class WarmRanks:
         return self._launch is not None and not self._launch.done()
 
     def run(self, function: Callable[..., Any], *args: Any, timeout: float | None = None,
-            display: str | Display | None = None) -> list[Any]:
+            display: str | Display | None = None, ranks: Sequence[int] | None = None) -> list[Any]:
         """Run ``function(*args)`` on every rank; return ``[result of rank 0, rank 1, ...]``.
 
-        Raises what a launch raises (RankFailedError, LaunchTimeoutError, LaunchInterrupted);
-        the ranks are then gone, and the next call starts fresh ones.
+        ``ranks`` runs it on those ranks only (their results, in that order); collectives are
+        then refused in it, since the other ranks would never join them.
+
+        An error is the call's, as a notebook cell's is: it raises what a launch raises
+        (RankFailedError: the first failing rank's traceback, the others in a line each), and
+        the ranks and everything they hold stay. So does an interrupt (LaunchInterrupted): ranks
+        that train stop together at a step boundary; others where they are. Only ranks that
+        can no longer run together (one died, or stays stuck in a collective) end the pool,
+        which says why; the next call then starts fresh ones. A timeout ends the pool.
         """
         __tracebackhide__ = True
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
             raise LaunchConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if self._closed:
             raise LaunchConfigError("these warm ranks were closed; make a new WarmRanks to run more")
+        only = self.checked_ranks(ranks)
         ipython_errors.install()
         with self._one_call:
-            call_id = next(self._ids)
-            packed = self._package_call(call_id, function, args)  # refused here, before anything is sent
             try:
-                return self._call(function, call_id, packed, timeout, self._display if display is None else display)
+                return self._call(function, args, timeout, self._display if display is None else display, only)
             except BaseException as error:
                 raise error.with_traceback(None)
-            finally:
-                fdtable.close(packed.fds)  # the ranks hold their own copies of the descriptors
+
+    def checked_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...] | None:
+        """``ranks`` as a call takes them, or LaunchConfigError naming the valid ones."""
+        if ranks is None:
+            return None
+        n = self._num_ranks
+        if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks) \
+                or not ranks or any(not 0 <= r < n for r in ranks):
+            raise LaunchConfigError(f"ranks must name ranks of this pool, 0 to {n - 1} ({n} ranks), got {ranks!r}")
+        return tuple(sorted(set(ranks)))
 
     def close(self) -> None:
         """Let the ranks leave (their process group goes with them). Safe to call twice."""
@@ -182,53 +202,78 @@ class WarmRanks:
 
     # -- one call ------------------------------------------------------------------------
 
-    def _call(self, function: Callable, call_id: int, packed: Payload, timeout: float | None,
-              display: str | Display) -> list[Any]:
-        launch, router = self._ensure_started()
-        call = router.begin(call_id, self._num_ranks)
-        shown = make_display(display, self._num_ranks)  # on the cell's thread: shows in this cell
+    def _call(self, function: Callable, args: tuple, timeout: float | None, display: str | Display,
+              only: tuple[int, ...] | None) -> list[Any]:
+        call_id = next(self._ids)
+        packed = self._package_call(call_id, function, args, only)  # refused here, before anything is sent
         try:
-            started = launch.reset_clock()
-            start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
-            if router.calls_before:  # the ranks were not started for this call: say what they are
-                start = dataclasses.replace(start, start_method="warm", start_reason=(
-                    f"up since {router.up_since}, {router.calls_before} earlier "
-                    f"call{'s' if router.calls_before != 1 else ''}; started by {router.started.start_method}"))
-            shown.on_event(start)
-            for rank, pid in sorted(router.pids.items()):
-                shown.on_event(RankStarted(rank=rank, pid=pid))
-            launch.send(wire.CALL, packed.data, packed)
-            fdtable.close(packed.fds)  # sent: the ranks have their own; less to hold during the call
-            self._pump(call, shown, launch, None if timeout is None else started + timeout, timeout)
-            if call.ended is not None:
-                self._ended_with = call.ended.summary
-                launch.result(timeout=_CLOSE_S)  # raises the pool's error
-                raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
-            elapsed = time.monotonic() - started
-            results = [call.results[r] for r in range(self._num_ranks)]
-            for rank in range(self._num_ranks):
-                shown.on_event(RankFinished(rank=rank, state=RankState.DONE, exitcode=0))
-            shown.on_event(LaunchFinished(RankState.DONE, elapsed, results=results,
-                                          summary=f"all {self._num_ranks} ranks done in {elapsed:.3f} s (warm)"))
-            return results
+            launch, router = self._ensure_started()
+            call = router.begin(call_id, self._num_ranks)
+            shown = make_display(display, self._num_ranks)  # on the cell's thread: shows in this cell
+            settling = Settling(launch, call)
+            try:
+                started = launch.reset_clock()
+                self._show_start(shown, router, function)
+                launch.send(wire.CALL, packed.data, packed)
+                fdtable.close(packed.fds)  # sent: the ranks have their own; less to hold during the call
+                self._pump(call, settling, shown, launch, None if timeout is None else started + timeout, timeout)
+                if call.ended is not None:
+                    self._ended_with = call.ended.summary
+                    launch.result(timeout=_CLOSE_S)  # raises the pool's error
+                    raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
+            finally:
+                router.end(call)
+            try:
+                return finish_call(call, settling, shown, time.monotonic() - started, only)
+            finally:
+                shown.close()
+                if settling.released:
+                    self._reform_group(launch)
         finally:
-            router.end(call)
-            shown.close()
+            fdtable.close(packed.fds)  # the ranks hold their own copies of the descriptors
 
-    def _pump(self, call: Any, shown: Display, launch: Launch, deadline: float | None, timeout: float | None) -> None:
-        """Show the call's events until it is over; a timeout or an interrupt stops the pool."""
+    def _show_start(self, shown: Display, router: CallRouter, function: Callable) -> None:
+        start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
+        if router.calls_before:  # the ranks were not started for this call: say what they are
+            start = dataclasses.replace(start, start_method="warm", start_reason=(
+                f"up since {router.up_since}, {router.calls_before} earlier "
+                f"call{'s' if router.calls_before != 1 else ''}; started by {router.started.start_method}"))
+        shown.on_event(start)
+        for rank, pid in sorted(router.pids.items()):
+            shown.on_event(RankStarted(rank=rank, pid=pid))
+
+    def _pump(self, call: Any, settling: Settling, shown: Display, launch: Launch, deadline: float | None,
+              timeout: float | None) -> None:
+        """Show the call's events until every rank answered. A failure or an interrupt brings the
+        ranks back to their call loop (``settling``); ranks that do not come back, and a timeout,
+        end the pool."""
+        ended_because = ""
+        while not call.over:
+            try:
+                for event in call.events(None if ended_because else deadline, tick=Settling.TICK_S):
+                    if event is not None:
+                        shown.on_event(event)
+                    if not ended_because:
+                        ended_because = settling.tick()
+                        if ended_because:
+                            launch.cancel(LaunchCancelledError(f"the warm ranks were ended: {ended_because}"))
+            except CallTimedOut:
+                ended_because = "timeout"
+                launch.cancel(LaunchTimeoutError(timeout or 0.0, {}))
+            except KeyboardInterrupt:
+                if not ended_because:
+                    ended_because = settling.interrupt()
+                    if ended_because:
+                        launch.cancel(LaunchInterrupted(f"the warm ranks were ended: {ended_because}"))
+
+    def _reform_group(self, launch: Launch) -> None:
+        """After a release: a fresh backend for the pool's group on every rank, or the pool ends."""
         try:
-            for event in call.events(deadline):
-                shown.on_event(event)
-        except CallTimedOut:
-            launch.cancel(LaunchTimeoutError(timeout or 0.0, {}))
-            for event in call.events(None):
-                shown.on_event(event)
-        except KeyboardInterrupt:
-            with interrupts_wait():  # Ctrl-C twice must not cut the stop's report short
-                launch.cancel(LaunchInterrupted("every rank was stopped; where each one was is shown above"))
-                for event in call.events(None):
-                    shown.on_event(event)
+            self._call(reform_group, (next(self._generations),), _REFORM_S, "none", None)
+        except BaseException as error:  # noqa: BLE001  said, and the pool ended: the next call starts afresh
+            print(f"nblaunch: the warm ranks' process group could not be re-formed after the failed call "
+                  f"({error}); they were stopped: the next call starts fresh ones", file=sys.stderr)
+            launch.cancel()
 
     def _ensure_started(self) -> tuple[Launch, CallRouter]:
         if self.alive:
@@ -263,13 +308,13 @@ class WarmRanks:
                   "the next one starts fresh ranks", file=sys.stderr)
         self._launch.result(timeout=_CLOSE_S)  # raises the pool's error, if it had one
 
-    def _package_call(self, call_id: int, function: Callable, args: tuple) -> Payload:
+    def _package_call(self, call_id: int, function: Callable, args: tuple, only: tuple[int, ...] | None) -> Payload:
         """The call for the ranks (big tensors and arrays in memfds on one machine, as for a
         spawn launch)."""
         if not callable(function):
             raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
         try:
-            return self._home.package((call_id, function, args))
+            return self._home.package((call_id, function, args, only))
         except Exception:
             pickling.check_picklable(function, args)  # names the culprit
             raise

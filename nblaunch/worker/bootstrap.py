@@ -27,7 +27,7 @@ from nblaunch import proctree, wire
 from nblaunch.facts.installed import installed_modules, loaded_since
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
-from nblaunch.worker import calls, channel, lifeline, payload
+from nblaunch.worker import calls, channel, lifeline, movement, payload
 from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.own_meeting_point import meet_at_the_launchers_store_only
 from nblaunch.worker.inherited import forget_accelerate_state, forget_half_imported, leave_interactive_session
@@ -184,6 +184,7 @@ def _run_function(function: Callable, args: tuple, control: ControlSocket, event
     # A bare thread: threading.Thread.start() waits until the new thread runs, which on busy
     # cores is a millisecond of every launch spent before the user's function starts.
     _thread.start_new_thread(_watch_launcher, (control, event_fd))
+    movement.watch_main_thread()
     try:
         result = function(*args)
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result
@@ -223,6 +224,8 @@ def _watch_launcher(control: ControlSocket, event_fd: int) -> None:
                 elif kind in (wire.CALL, wire.CLOSE):
                     calls.deliver(kind, body, shared)
                     shared = None
+                elif kind in (wire.INTERRUPT, wire.RELEASE):
+                    calls.control(kind, body)
     except BaseException as error:
         send_failure(error, f"nblaunch's control thread in this rank broke: {describe(error)}", phase=Phase.WATCHING,
                      fd=event_fd)

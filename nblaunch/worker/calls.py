@@ -4,10 +4,17 @@ The launcher starts warm ranks as a launch whose function is :func:`serve_calls`
 watch thread (which also answers stack requests) hands each ``CALL`` frame from the control
 socket to this module's queue, with the memfds that carry its big tensors and arrays (mapped
 copy-on-write, as a spawned rank maps its payload); the main thread runs the call, flushes
-its output (so every line of a call is in the pipe before its result), and sends
-``CALL_RESULT``. An exception in a call is
-not caught here: the rank fails the way a launch's rank fails, and the launcher stops them all.
-``CLOSE`` ends the loop; the rank then leaves like any finished rank.
+its output (so every line of a call is in the pipe before its answer), and sends
+``CALL_RESULT``, or ``CALL_FAILED`` with the failure when the call raised. An error is the
+call's outcome, as it is a notebook cell's: the rank, its process group and everything it
+holds stay, and it serves the next call. ``CLOSE`` ends the loop; the rank then leaves like any
+finished rank.
+
+A call may name the ranks it runs on (``only``): the others answer at once with nothing, and in
+the named ones the collectives of the pool's group are refused for the call (``subset_guard``),
+since the ranks left out would never join them. The launcher's other requests during a call
+(interrupt, release the group: ``control``) come through the watch thread to ``cell_stop`` and
+``pool_group``.
 
 The ranks form their process group before the first call (``pool_group``). Every call starts
 with a clean training state: the process group stays, user objects stay
@@ -16,25 +23,31 @@ loop's bookkeeping (the active DataLoader, accumulation counters) does not carry
 
 Example (what ``WarmRanks.run(f, 3)`` makes a rank do)::
 
-    deliver(wire.CALL, package((1, f, (3,))).data)  # from the watch thread
+    deliver(wire.CALL, package((1, f, (3,), None)).data)  # from the watch thread
     serve_calls()  # runs f(3), sends (1, result); returns on CLOSE
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import linecache
+import os
+import pickle
 import queue
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.worker import channel, payload
-from nblaunch.worker.pool_group import form_pool_group
+from nblaunch.contract import variables as v
+from nblaunch.worker import cell_stop, channel, payload, pool_group
+from nblaunch.worker.reports import describe, failure_record
 from nblaunch.worker.streams import flush_streams
+from nblaunch.worker.subset_guard import collectives_refused
 
 _inbox: queue.SimpleQueue = queue.SimpleQueue()
 namespace: dict[str, Any] = {"__name__": "__main__"}  # what ``%%distributed`` cells define, per rank
 _before_each_call: list[Callable[[], None]] = []
+_released: list[str] = []  # this call's group was released by the launcher: why, once
 
 
 def before_each_call(hook: Callable[[], None]) -> None:
@@ -51,28 +64,70 @@ def deliver(kind: bytes, body: bytes, shared: tuple[dict[int, int], list] | None
     _inbox.put((kind, body, shared))
 
 
+def control(kind: bytes, body: bytes) -> None:
+    """The launcher's requests during a call, on the watch thread: INTERRUPT, RELEASE."""
+    if kind == wire.INTERRUPT:
+        cell_stop.interrupt(pickle.loads(body))
+    elif kind == wire.RELEASE:
+        why_not = pool_group.release_group()
+        _released.append(why_not)
+        channel.send(wire.RELEASED, pickle.dumps(why_not))
+
+
 def serve_calls() -> None:
     """The function a warm rank runs: it joins the pool's process group, then serves calls, one
     at a time, until CLOSE."""
-    form_pool_group()
+    pool_group.form_pool_group()
+    cell_stop.install()
+    rank = int(os.environ[v.RANK])
     while True:
         kind, body, shared = _inbox.get()
         if kind == wire.CLOSE:
             return None
-        local_fd, buffers = shared or ({}, [])
-        call_id, function, args = payload.load(body, buffers, local_fd)
+        _serve_one(rank, body, shared)
+
+
+def _serve_one(rank: int, body: bytes, shared: tuple[dict[int, int], list] | None) -> None:
+    local_fd, buffers = shared or ({}, [])
+    call_id = 0
+    _released.clear()
+    try:
+        call_id, function, args, only = payload.load(body, buffers, local_fd)
+        if only is not None and rank not in only:
+            channel.send(wire.CALL_RESULT, _reply(call_id, None))  # not this rank's call
+            return
         for hook in _before_each_call:
             hook()
-        result = function(*args)
+        cell_stop.begin_call(call_id)
+        try:
+            with collectives_refused(only):
+                result = function(*args)
+        finally:
+            cell_stop.end_call()
         flush_streams()
-        channel.send(wire.CALL_RESULT, _reply(call_id, result))
+        reply = _reply(call_id, result)
+    except BaseException as error:  # SystemExit too: a cell's exit is its own, not the rank's
+        flush_streams()
+        channel.send(wire.CALL_FAILED, pickle.dumps((call_id, _call_failure(error))))
+        return
+    channel.send(wire.CALL_RESULT, reply)
+
+
+def _call_failure(error: BaseException) -> Any:
+    failure = failure_record(error)
+    if _released:  # raised because the launcher released the group after another rank failed
+        failure = dataclasses.replace(failure, collateral=True, reason=(
+            f"let go of the collective it waited in, which a rank whose call raised would never join "
+            f"({type(error).__name__})"))
+    return failure
 
 
 def _reply(call_id: int, result: Any) -> bytes:
     try:
         return channel.pickle_value((call_id, result))
     except Exception as error:
-        raise TypeError(f"the call returned a {type(result).__name__} that cannot be sent back: {error}") from error
+        raise TypeError(f"the call returned a {type(result).__name__} that cannot be sent back: "
+                        f"{describe(error)}") from error
 
 
 def namespace_names() -> list[str]:

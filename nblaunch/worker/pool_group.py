@@ -1,4 +1,5 @@
-"""A warm rank's process group: formed before the first call, kept for every call after.
+"""A warm rank's process group: formed before the first call, kept for every call after, and
+repaired in place when a failed call left collectives waiting.
 
 A pool of warm ranks is a process group to its users (``%%distributed`` cells call
 ``dist.get_rank()`` or ``dist.all_reduce`` from the first one), so each rank joins the default
@@ -8,6 +9,15 @@ made later adopts that group. Code written for a launch calls ``init_process_gro
 in a warm rank that call is answered by the pool's group when it asks for what the group is
 (the same backend, or none named), and refused with what to do when it asks for another.
 
+When one rank's call raised while another waits in a collective it will never complete, the
+launcher asks the ranks to *release* the group: each shuts down its gloo connections, so every
+waiting (and later) collective of that call raises at once instead of hanging. After the call the
+launcher has every rank *re-form* it: a fresh gloo backend is registered in the same
+``ProcessGroup`` object, so whatever holds the group (a DDP model, an Accelerator, a DeviceMesh)
+goes on working. torch keeps one backend per backend type, so each re-forming takes a type the
+group has not used yet: a pool can be re-formed ``len(_SPARE_TYPES)`` times; after that (and on
+NCCL, which this does not cover yet) the launcher ends the pool and says why.
+
 Example (what a warm rank does before serving calls)::
 
     form_pool_group()
@@ -16,11 +26,17 @@ Example (what a warm rank does before serving calls)::
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
+import socket
 from typing import Any, Callable
 
 from nblaunch.contract import variables as v
+
+_SPARE_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL")  # backend types a CPU group never uses itself
+_REFORM_TIMEOUT = datetime.timedelta(minutes=30)  # gloo's default for a collective
+_group: dict[str, Any] = {"sockets": [], "reformed": 0, "backend": None}
 
 
 def form_pool_group() -> None:
@@ -36,8 +52,44 @@ def form_pool_group() -> None:
     if os.environ.get(v.FORCE_CPU) != "1" and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get(v.LOCAL_RANK, "0")) % torch.cuda.device_count())
         backend = "nccl"  # no device_id: NCCL makes its communicators lazily
+    before = _tcp_connections()
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+    _group.update(backend=backend, sockets=_new_connections(before))
     dist.init_process_group = _answered_by_the_pool(dist, backend)
+
+
+def release_group() -> str:
+    """Make every collective of the pool's group fail at once, the one waiting now included.
+
+    Returns "" when done, or why it cannot be (the launcher then ends the pool, saying so)."""
+    if _group["backend"] != "gloo":
+        return f"a {_group['backend'] or 'missing'} group's waiting collectives cannot be released yet"
+    for fd in _group["sockets"]:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as connection:
+                connection.shutdown(socket.SHUT_RDWR)  # gloo keeps its descriptor; it now reads EOF
+        except OSError:
+            pass  # already closed by the peer's side
+    return ""
+
+
+def reform_group(generation: int) -> None:
+    """Every rank at once: a fresh gloo backend for the pool's group, in the same group object."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
+
+    if _group["reformed"] >= len(_SPARE_TYPES):
+        raise RuntimeError(f"the pool's process group was re-formed {_group['reformed']} times, as often as torch "
+                           "allows in one group")
+    group = dist.distributed_c10d._get_default_group()
+    store = dist.PrefixStore(f"nblaunch-reformed-{generation}", dist.distributed_c10d._get_default_store())
+    before = _tcp_connections()
+    fresh = ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), _REFORM_TIMEOUT)
+    kind = getattr(ProcessGroup.BackendType, _SPARE_TYPES[_group["reformed"]])
+    group._register_backend(torch.device("cpu"), kind, fresh)  # CPU collectives now dispatch to it
+    _group["reformed"] += 1
+    _group["sockets"] = _new_connections(before)
 
 
 def _answered_by_the_pool(dist: Any, pool_backend: str) -> Callable[..., Any]:
@@ -57,3 +109,24 @@ def _answered_by_the_pool(dist: Any, pool_backend: str) -> Callable[..., Any]:
         return None
 
     return init_process_group
+
+
+def _tcp_connections() -> dict[int, tuple[int, int]]:
+    """``{fd: (local port, peer port)}`` of this process's connected TCP sockets."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(int(name))) as s:
+                if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                    found[int(name)] = (s.getsockname()[1], s.getpeername()[1])
+        except OSError:
+            continue  # not connected (a listening socket), or closed meanwhile
+    return found
+
+
+def _new_connections(before: dict[int, tuple[int, int]]) -> list[int]:
+    """The group's own connections: made since ``before``, and not the rendezvous store's."""
+    store_port = int(os.environ.get(v.MASTER_PORT, "0"))
+    return [fd for fd, ports in _tcp_connections().items() if before.get(fd) != ports and store_port not in ports]

@@ -79,22 +79,31 @@ def send_failure(error: BaseException, reason: str | None = None, *, phase: Phas
     goes out first: a rank stopped while formatting its traceback still leaves its last lines.
     """
     flush_streams()
-    first = RankFailure(
-        rank=NOT_NUMBERED,
-        reason=reason or describe(error),
-        phase=phase,
-        type_name=f"{type(error).__module__}.{type(error).__qualname__}",
-        hint=hint,
-        collateral=caused_by_peer(error),
-        failed_at=time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
-        complete=False,
-    )
+    first = failure_record(error, reason, phase=phase, hint=hint, whole=False)
     channel.send(wire.ERROR, pickle.dumps(first), fd=fd)
     # Pickling the record pickles the exception, bounded (contract.failure): a big or broken one
     # leaves its type, message and traceback.
     whole = dataclasses.replace(first, traceback=_bounded_text(format_traceback(error)), exception=error,
                                 complete=True)
     channel.send(wire.ERROR, pickle.dumps(whole), fd=fd)
+
+
+def failure_record(error: BaseException, reason: str | None = None, *, phase: Phase = Phase.RUNNING,
+                   hint: str = "", whole: bool = True) -> RankFailure:
+    """The record of ``error``: whole (its exception, its traceback formatted from the user's code
+    on), or first (what and when only, which cannot stall)."""
+    return RankFailure(
+        rank=NOT_NUMBERED,
+        reason=reason or describe(error),
+        exception=error if whole else None,
+        traceback=_bounded_text(format_traceback(error)) if whole else "",
+        complete=whole,
+        phase=phase,
+        type_name=f"{type(error).__module__}.{type(error).__qualname__}",
+        hint=hint,
+        collateral=caused_by_peer(error),
+        failed_at=time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
+    )
 
 
 _TRACEBACK_MAX_CHARS = 200_000

@@ -70,18 +70,35 @@ def fails_on_rank_1() -> None:
     time.sleep(30)
 
 
-def test_a_failure_ends_the_pool_and_the_next_call_starts_a_fresh_one(ranks, capfd):
+def test_a_failure_is_the_calls_and_the_pool_keeps_its_state(ranks):
     old = ranks.run(join_group)
+    begin = time.monotonic()
     with pytest.raises(RankFailedError) as caught:
-        ranks.run(fails_on_rank_1)
+        ranks.run(fails_on_rank_1)  # rank 0 sleeps on: it finishes by itself
     assert caught.value.root_cause.rank == 1 and "bad shape on rank 1" in str(caught.value)
-    assert not ranks.alive
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in old)
-    capfd.readouterr()
-    new = ranks.run(join_group)
-    assert set(new).isdisjoint(old)
-    said = capfd.readouterr().err
-    assert said.count("nblaunch: the warm ranks had ended") == 1 and "starting 2 fresh ones" in said
+    assert time.monotonic() - begin < 40
+    assert ranks.alive and ranks.run(pid) == old
+    assert ranks.run(reduce_kept) == [[3.0, 3.0, 3.0]] * 2  # the group and the tensors of the first call
+
+
+def raises_on_rank_1_while_rank_0_reduces() -> float:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 never joins")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_a_collective_left_waiting_by_a_failed_rank_is_released_and_the_group_reformed(ranks):
+    old = ranks.run(join_group)
+    for _ in range(2):  # twice: a re-formed group can be released and re-formed again
+        begin = time.monotonic()
+        with pytest.raises(RankFailedError) as caught:
+            ranks.run(raises_on_rank_1_while_rank_0_reduces)
+        assert time.monotonic() - begin < 5
+        assert caught.value.root_cause.rank == 1 and "rank 1 never joins" in str(caught.value)
+        assert [f.rank for f in caught.value.failures] == [1, 0] and caught.value.failures[1].collateral
+        assert ranks.run(pid) == old and ranks.run(reduce_kept) == [[3.0, 3.0, 3.0]] * 2
 
 
 def sleeps_in_a_call(flag: str) -> None:
@@ -102,21 +119,66 @@ def test_a_timeout_shows_every_stack_and_ends_the_pool(ranks, recorder, tmp_path
     assert ranks.run(pid)  # a fresh pool
 
 
-def test_an_interrupt_stops_every_rank_and_the_next_call_works(ranks, tmp_path):
-    ranks.run(join_group)
-    flag = tmp_path / "started"
-
-    def interrupt_once_both_sleep():
+def interrupt_once_both_started(flag) -> None:
+    def interrupt():
         deadline = time.monotonic() + 60
         while not all(os.path.exists(f"{flag}.{r}") for r in (0, 1)) and time.monotonic() < deadline:
             time.sleep(0.01)
         _thread.interrupt_main()
 
-    threading.Thread(target=interrupt_once_both_sleep, daemon=True).start()
-    with pytest.raises(LaunchInterrupted):
-        ranks.run(sleeps_in_a_call, str(flag))
-    assert not ranks.alive
-    assert len(ranks.run(pid)) == 2
+    threading.Thread(target=interrupt, daemon=True).start()
+
+
+def test_an_interrupt_stops_the_call_where_it_is_and_keeps_the_pool(ranks, tmp_path):
+    old = ranks.run(join_group)
+    flag = tmp_path / "started"
+    interrupt_once_both_started(flag)
+    begin = time.monotonic()
+    with pytest.raises(LaunchInterrupted, match="each rank stopped where it was"):
+        ranks.run(sleeps_in_a_call, str(flag))  # no training steps: SIGINT where each rank is
+    assert time.monotonic() - begin < 20 and ranks.alive
+    assert ranks.run(pid) == old and ranks.run(reduce_kept) == [[3.0, 3.0, 3.0]] * 2
+
+
+def make_ddp() -> None:
+    from nblaunch.training import Accelerator
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    KEPT["ddp"] = (accelerator, *accelerator.prepare(model, optimizer))
+    KEPT["steps"] = 0
+
+
+def trains_for_ever(flag: str) -> None:
+    accelerator, model, optimizer = KEPT["ddp"]
+    open(f"{flag}.{dist.get_rank()}", "w").close()
+    while True:
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        KEPT["steps"] += 1
+
+
+def steps_and_weights() -> tuple:
+    _, model, _ = KEPT["ddp"]
+    return KEPT["steps"], [p.detach().clone() for p in model.parameters()]
+
+
+def test_an_interrupt_in_a_ddp_loop_stops_every_rank_at_the_same_step_ten_times_out_of_ten(ranks, tmp_path):
+    ranks.run(make_ddp)
+    steps = 0
+    for attempt in range(10):
+        flag = tmp_path / f"started{attempt}"
+        interrupt_once_both_started(flag)
+        with pytest.raises(LaunchInterrupted, match="every rank stopped at step"):
+            ranks.run(trains_for_ever, str(flag))
+        (steps_0, weights_0), (steps_1, weights_1) = ranks.run(steps_and_weights)
+        assert steps_0 == steps_1 > steps, attempt  # the same step on both, and training went on
+        assert all(torch.equal(a, b) for a, b in zip(weights_0, weights_1)), attempt
+        steps = steps_0
 
 
 def accumulates_one_micro_step() -> tuple:

@@ -83,6 +83,8 @@ class LaunchPlan:
             # (a mismatch is a clear error instead of a hang waiting for ranks that never come).
             v.TORCHELASTIC_RUN_ID: request.run_id,
         }
+        if request.stall_after is not None:
+            env[v.STALL_AFTER] = repr(float(request.stall_after))
         if self.device_kind != "xla":
             # The store lives in node 0's launcher, not in rank 0, and no rank leaves
             # init_process_group before every rank's group is connected: see launch/rendezvous.py.

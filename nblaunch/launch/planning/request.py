@@ -36,6 +36,7 @@ from nblaunch.launch.errors import LaunchConfigError
 
 START_METHODS = ("fork", "spawn", "xla")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+STALL_AFTER_S = 60.0  # long enough for a slow step, short enough that a hang is named early
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class LaunchRequest:
     run_id: str = "none"  # torchrun's TORCHELASTIC_RUN_ID (Accelerate's rdzv_id)
     cluster: str | None = None  # which home: read by nblaunch.homes, nowhere else
     resources: Mapping[str, Any] | None = None  # what a cluster's home asks it for (Slurm, outside an allocation)
+    stall_after: float | None = STALL_AFTER_S  # seconds without progress before the cell shows a stall; None: never
 
     def __post_init__(self) -> None:
         function, args = self.function, self.args
@@ -72,6 +74,7 @@ class LaunchRequest:
         except ValueError as error:
             raise LaunchConfigError(str(error)) from None
         _check_timeout(self.timeout)
+        check_stall_after(self.stall_after)
         _check_display(self.display)
         check_call(function, args)
         if self.num_processes is not None:
@@ -185,6 +188,15 @@ def _check_timeout(timeout: Any) -> None:
                                 or not math.isfinite(timeout) or timeout <= 0):
         raise LaunchConfigError(
             f"timeout must be a positive, finite number of seconds, or None for no limit; got {timeout!r}")
+
+
+def check_stall_after(stall_after: Any) -> None:
+    if stall_after is not None and (isinstance(stall_after, bool) or not isinstance(stall_after, (int, float))
+                                    or not math.isfinite(stall_after) or stall_after <= 0):
+        raise LaunchConfigError(
+            f"stall_after must be a positive, finite number of seconds (the cell names the ranks that hold the "
+            f"others up after that long without progress; default {STALL_AFTER_S:g}), or None to never look; "
+            f"got {stall_after!r}")
 
 
 def _check_display(display: Any) -> None:

@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.events import (CallFinished, Event, Metrics, Output, Progress, RankDevice, RankFinished,
-                             RankStarted, RankState, Stacks)
+from nblaunch.events import (CallFailed, CallFinished, CallSteps, Event, GroupReleased, Metrics, Output, Progress,
+                             RankDevice, RankFinished, RankStarted, RankState, Stacks)
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
@@ -28,7 +28,7 @@ from nblaunch.launch.starting.packing import Payload
 from nblaunch.launch.supervising.gpu_usage import SAMPLE_EVERY_S, GpuSampler
 from nblaunch.launch.starting.processes import WorkerProcess
 from nblaunch.launch.supervising.interrupts import interrupts_wait
-from nblaunch.launch.supervising.quiet import QUIET_STACKS_S, QuietWatch
+from nblaunch.launch.supervising.stall import StallReports
 from nblaunch.launch.supervising.watched_rank import WatchedRank
 
 _READ_SIZE = 1 << 20
@@ -48,7 +48,7 @@ class Supervisor:
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
     def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
-                 gpus: GpuSampler | None = None):
+                 gpus: GpuSampler | None = None, stall_after: float | None = None):
         self._emit = emit
         self._gpus = gpus  # each rank's GPU, sampled every SAMPLE_EVERY_S for its row
         self._next_sample = 0.0
@@ -64,7 +64,8 @@ class Supervisor:
         # moment earlier (here or on another node) was stopped, it did not fail.
         self._stopping_on_request = False
         self._stacks_why = "stop"  # what the next STACKS frames answer
-        self._quiet = QuietWatch(QUIET_STACKS_S, time.monotonic())
+        self._stalls = StallReports(stall_after, emit)
+        self._call_sent = False  # a warm pool's call went out: the stall clock starts again
         # cancel() may come from any thread: it writes here to wake the select loop.
         self._wake_lock = threading.Lock()
         self._wake_read, self._wake_write = os.pipe()
@@ -91,7 +92,10 @@ class Supervisor:
                 if self._gpus is not None and now >= self._next_sample:
                     self._sample_gpus(now)
                 sample_wait = None if self._gpus is None else self._next_sample - now
-                waits = [w for w in (None if deadline is None else deadline - now, self._quiet.wait(now), sample_wait)
+                if self._call_sent:
+                    self._call_sent = False
+                    self._stalls.heard()
+                waits = [w for w in (None if deadline is None else deadline - now, self._stalls.wait(now), sample_wait)
                          if w is not None]
                 self._pump(max(0.0, min(waits)) if waits else None)
                 if self._output_trickle and not self._stopping:
@@ -100,10 +104,17 @@ class Supervisor:
                     # for a moment makes each read carry many lines; a 1 ms delay is invisible.
                     self._output_trickle = False
                     time.sleep(_COALESCE_OUTPUT_S)
+                if not self._stopping:
+                    self._stalls.report_when_answered(self._stacks)
                 if self._failures() and not self._stopping:
                     self._stop(_STACKS_ON_FAILURE_S, fallback=False)
-                elif not self._stopping and (self._stacks_requested or self._quiet.due(time.monotonic())):
-                    self._ask_for_stacks("asked" if self._stacks_requested else "quiet")
+                elif not self._stopping and self._stacks_requested:
+                    self._ask_for_stacks("asked")
+                elif not self._stopping and self._stalls.due():
+                    busy = [r for r in self._live() if r.busy and r.failure is None]
+                    self._stacks.clear()
+                    self._ask_for_stacks("quiet", busy)
+                    self._stalls.asked([r.number for r in busy])
                 elif not self._stopping and (self._cancel_requested or (deadline is not None and time.monotonic() >= deadline)):
                     if not self._cancel_requested:
                         self._cancel_as = LaunchTimeoutError(self._timeout, {})
@@ -144,7 +155,12 @@ class Supervisor:
         """One frame to every live rank's control socket (a warm pool's calls, with the memfds
         ``shared`` holds). Safe from any thread."""
         for rank in self._live():
+            if kind == wire.CALL:
+                rank.busy = True
             rank.pipes.send(kind, body, shared)
+        if kind == wire.CALL:
+            self._call_sent = True
+            self._wake()
 
     def request_stacks(self) -> None:
         """Ask every live rank where it is (answers: ``Stacks(why="asked")``). Any thread."""
@@ -156,10 +172,11 @@ class Supervisor:
             if self._wake_write != -1:
                 os.write(self._wake_write, b"x")
 
-    def _ask_for_stacks(self, why: str) -> None:
-        self._stacks_requested = False
+    def _ask_for_stacks(self, why: str, ranks: list[WatchedRank] | None = None) -> None:
+        if why == "asked":
+            self._stacks_requested = False
         self._stacks_why = why
-        for rank in self._live():
+        for rank in self._live() if ranks is None else ranks:
             if rank.failure is None:
                 rank.pipes.request_stacks()
 
@@ -223,7 +240,7 @@ class Supervisor:
         else:
             lines, transient = rank.splitters[kind].feed(data)
             self._emit_lines(rank, kind, lines, transient)
-            self._quiet.heard(time.monotonic())
+            self._stalls.heard()
             if len(data) < _COALESCE_BELOW:
                 self._output_trickle = True
         return True
@@ -271,23 +288,23 @@ class Supervisor:
         elif kind == wire.METRICS:
             values, step = pickle.loads(body)
             self._emit(Metrics(rank=r, values=values, step=step))
-            self._quiet.heard(time.monotonic())
+            self._stalls.heard()
         elif kind == wire.PROGRESS:
             bar_id, n, total, desc, closed, auto = pickle.loads(body)
             self._emit(Progress(rank=r, bar_id=bar_id, n=n, total=total, desc=desc, closed=closed, auto=auto))
-            self._quiet.heard(time.monotonic())
+            self._stalls.heard()
         elif kind == wire.STACKS:
             self._stacks[r] = body.decode("utf-8", "replace")
             self._emit(Stacks(rank=r, text=self._stacks[r], why=self._stacks_why))
-        elif kind == wire.CALL_RESULT:
-            # The rank flushed its output before sending this: the call's last lines come first.
-            self._read_what_is_there(rank, (_FD_STDOUT, _FD_STDERR))
-            try:
-                call_id, value = pickle.loads(body)
-            except Exception as error:
-                self._fail(rank, RankFailure(r, f"its call's return value could not be unpickled here: {error!r}"))
-                return
-            self._emit(CallFinished(rank=r, call_id=call_id, result=value))
+        elif kind in (wire.CALL_RESULT, wire.CALL_FAILED):
+            self._on_call_answer(rank, kind, body)
+        elif kind == wire.MOVED:
+            self._stalls.heard()
+        elif kind == wire.STEPS:
+            call_id, steps = pickle.loads(body)
+            self._emit(CallSteps(rank=r, call_id=call_id, steps=steps))
+        elif kind == wire.RELEASED:
+            self._emit(GroupReleased(rank=r, why_not=pickle.loads(body)))
         elif kind == wire.DEVICE:
             device, precision = pickle.loads(body)
             self._emit(RankDevice(rank=r, device=device, precision=precision))
@@ -295,6 +312,23 @@ class Supervisor:
             rank.process.cleaned = True
         elif kind == wire.IMPORTED:
             rank.imported = pickle.loads(body)
+
+    def _on_call_answer(self, rank: WatchedRank, kind: bytes, body: bytes) -> None:
+        """A warm rank's call returned or raised: the rank is idle until the next call."""
+        # The rank flushed its output before sending this: the call's last lines come first.
+        self._read_what_is_there(rank, (_FD_STDOUT, _FD_STDERR))
+        rank.busy = False
+        self._stalls.heard()
+        try:
+            call_id, value = pickle.loads(body)
+        except Exception as error:
+            self._fail(rank, RankFailure(rank.number, f"its call's answer could not be unpickled here: {error!r}"))
+            return
+        if kind == wire.CALL_FAILED:
+            value.rank = rank.number  # numbered by the pipe it came on
+            self._emit(CallFailed(rank=rank.number, call_id=call_id, failure=value))
+        else:
+            self._emit(CallFinished(rank=rank.number, call_id=call_id, result=value))
 
     def _fail(self, rank: WatchedRank, failure: RankFailure) -> None:
         if self._stopping_on_request and failure.collateral:

@@ -29,6 +29,7 @@ class WatchedRank:
         self.result: Any = None
         self.failure: RankFailure | None = None  # its failed_at orders a launch's failures
         self.finished = False
+        self.busy = True  # running its function or a call (a warm rank between calls is not)
         self.imported: list[str] = []  # the installed libraries it imported, told at its end
 
 
