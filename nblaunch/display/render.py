@@ -258,8 +258,10 @@ def _format_rate(rate: float) -> str:
 def stacks_html(view: LaunchView) -> str:
     """Where each rank was when last asked (by the user, or because the launch went quiet), folded."""
     shown = [r for r in view.ranks.values() if r.stacks and r.stacks_why != "stop"]
+    verdict = (f'<div class="nbl-stall" style="color: #b45309"><b>stalled</b>{pre_block(view.stall.verdict)}</div>'
+               if view.stall is not None else "")
     if not shown:
-        return ""
+        return f'<div class="nbl-stacks" style="{FONT}">{verdict}</div>' if verdict else ""
     why = ("every rank was quiet for a while" if any(r.stacks_why == "quiet" for r in shown)
            else "you asked")
     folds = []
@@ -267,7 +269,7 @@ def stacks_html(view: LaunchView) -> str:
         where = frames.where(rank.stacks or "")
         label = f"rank {rank.rank} at {rank.stacks_at}" + (f" · {escape(where)}" if where else "")
         folds.append(fold(label, pre_block(rank.stacks or ""), False, escaped=True))
-    return (f'<div class="nbl-stacks" style="{FONT}"><div style="{MUTED}">where each rank is ({why}; '
+    return (f'<div class="nbl-stacks" style="{FONT}">{verdict}<div style="{MUTED}">where each rank is ({why}; '
             f"the launch goes on):</div>{''.join(folds)}</div>")
 
 

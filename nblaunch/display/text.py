@@ -14,6 +14,8 @@ from typing import TextIO
 from nblaunch import frames
 from nblaunch.events import (
     ClusterWaiting,
+    StallCleared,
+    Stalled,
     Event,
     LaunchFinished,
     LaunchRestarting,
@@ -98,6 +100,10 @@ class TextDisplay:
                 self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")
             elif event.state == RankState.STOPPED:
                 self._print(f"[rank {event.rank}] stopped: {event.detail}", "stderr")
+        elif isinstance(event, Stalled):
+            self._print("nblaunch: stalled: " + event.verdict.replace("\n", "\n  "), "stderr")  # one block
+        elif isinstance(event, StallCleared):
+            self._print(f"nblaunch: progress again, after {event.after_s:.0f} s without", "stderr")
         elif isinstance(event, LaunchRestarting):
             self._print(f"nblaunch: {event.line}", "stderr")
         elif isinstance(event, RanksPlaced):

@@ -22,6 +22,8 @@ from nblaunch.display.logring import LogLine, LogRing
 from nblaunch.display.series import Series
 from nblaunch.events import (
     ClusterWaiting,
+    StallCleared,
+    Stalled,
     Event,
     GpuUsage,
     LaunchFinished,
@@ -116,6 +118,7 @@ class LaunchView:
         self.restarted: LaunchRestarting | None = None  # the latest restart, if any
         self.placed: RanksPlaced | None = None  # where a cluster put the ranks
         self.waiting: ClusterWaiting | None = None  # why the cluster has not yet
+        self.stall: Stalled | None = None  # who holds the others up, while no rank makes progress
         self.dirty: set[str] = set()
 
     # -- overall ----------------------------------------------------------------------------
@@ -167,6 +170,15 @@ class LaunchView:
         elif isinstance(event, Stacks):
             rank = self.rank(event.rank)
             rank.stacks, rank.stacks_why, rank.stacks_at = event.text, event.why, time.strftime("%H:%M:%S")
+            self.dirty |= {RANKS, STACKS, SUMMARY}
+        elif isinstance(event, Stalled):
+            self.stall = event
+            self.dirty |= {STACKS, SUMMARY}
+        elif isinstance(event, StallCleared):
+            self.stall = None
+            for rank in self.ranks.values():  # where they were stalled is no longer where they are
+                if rank.stacks_why == "quiet":
+                    rank.stacks = None
             self.dirty |= {RANKS, STACKS, SUMMARY}
         elif isinstance(event, LaunchStarted):
             self.plan, self.started_t = event, now

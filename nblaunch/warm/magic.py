@@ -37,6 +37,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from nblaunch.launch.errors import LaunchConfigError
+from nblaunch.launch.planning.request import check_stall_after
 from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.calls import namespace_names, run_code
@@ -45,7 +46,8 @@ from nblaunch.worker.calls import namespace_names, run_code
 _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh"}
 
 
-_USAGE = "%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--ray | --slurm] [--nodes K] [--detach]"
+_USAGE = ("%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--stall-after S] [--ray | --slurm] [--nodes K] "
+          "[--detach] [--rank R | --ranks R,R...]")
 
 
 def cell_parser() -> argparse.ArgumentParser:
@@ -58,7 +60,16 @@ def cell_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ray", action="store_true")
     parser.add_argument("--slurm", action="store_true")
     parser.add_argument("--detach", action="store_true")
+    parser.add_argument("--rank", "--ranks", dest="ranks", type=_rank_list, default=None)
+    parser.add_argument("--stall-after", dest="stall_after", type=float, default=None)
     return parser
+
+
+def _rank_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rank takes a rank or ranks separated by commas (0 or 0,1), got {text!r}")
 
 
 @magics_class
@@ -85,13 +96,19 @@ class DistributedMagics(Magics):
             raise LaunchConfigError(f"{_USAGE}: --ray or --slurm, not both")
         filename = f"<distributed cell {self._cells + 1}>"
         compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
+        if options.stall_after is not None:
+            check_stall_after(options.stall_after)
         cluster = "ray" if options.ray else "slurm" if options.slurm else None
-        pool = self._pool_for(options.num_processes, (options.spawn, options.nodes, cluster, options.cpu),
-                              options.detach)
+        if options.ranks is not None:
+            pool = self._pool_for_some_ranks(options)
+        else:
+            pool = self._pool_for(options.num_processes, (options.spawn, options.nodes, cluster, options.cpu),
+                                  options.detach, options.stall_after)
         self._cells += 1
         sent = self._names_to_send(cell)
         try:
-            results = pool.run(run_code, cell, sent, filename, timeout=options.timeout)
+            results = pool.run(run_code, cell, sent, filename, timeout=options.timeout,
+                               **({"ranks": options.ranks} if options.ranks is not None else {}))
         except BaseException:
             if isinstance(pool, DetachedWarmRanks):  # its ranks may have been replaced: send names again
                 self._defined_in_ranks = set()
@@ -99,7 +116,21 @@ class DistributedMagics(Magics):
         self._defined_in_ranks |= assigned_names(cell)
         return None if all(r is None for r in results) else results
 
-    def _pool_for(self, num_processes: int | None, shape: tuple, detach: bool) -> WarmRanks:
+    def _pool_for_some_ranks(self, options: argparse.Namespace) -> WarmRanks:
+        """A ``--rank`` cell looks at the ranks of the pool that is up: it never starts one."""
+        if isinstance(self.pool, DetachedWarmRanks):
+            raise LaunchConfigError("--rank does not reach detached warm ranks yet: run the cell on every rank, "
+                                    "with `if dist.get_rank() == 0:` around what only rank 0 should do")
+        if self.pool is None or not self.pool.alive:
+            raise LaunchConfigError("--rank runs a cell on some ranks of the warm ranks that are up, and none are: "
+                                    "start them first with a %%distributed cell that runs on every rank")
+        if options.num_processes is not None or options.detach or options.spawn or options.nodes is not None:
+            raise LaunchConfigError("--rank runs on the warm ranks that are up: leave -n/--spawn/--nodes/--detach out")
+        self.pool.checked_ranks(options.ranks)  # the valid range, before anything is sent
+        return self.pool
+
+    def _pool_for(self, num_processes: int | None, shape: tuple, detach: bool,
+                  stall_after: float | None = None) -> WarmRanks:
         """The pool for this cell: the current one, unless the cell asks for another size or kind;
         with ``--detach`` in a kernel without one, this user's detached warm ranks if they are up."""
         if self.pool is None and detach:
@@ -118,7 +149,8 @@ class DistributedMagics(Magics):
         if pool is None:
             spawn, nodes, cluster, cpu = shape
             pool = self.pool = WarmRanks(num_processes=wanted, start_method="spawn" if spawn else None,
-                                         num_nodes=nodes, cluster=cluster, cpu=cpu, detach=detach)
+                                         num_nodes=nodes, cluster=cluster, cpu=cpu, detach=detach,
+                                         **({"stall_after": stall_after} if stall_after is not None else {}))
             self._shape = shape
             self._defined_in_ranks = set()
         elif not pool.alive:

@@ -33,7 +33,7 @@ from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
-from nblaunch.launch.planning.request import LaunchRequest
+from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.packing import Payload
@@ -64,6 +64,8 @@ class WarmRanks:
             (every node unless ``num_nodes`` narrows), as ``notebook_launcher`` places them.
         display: how each call shows itself ("auto", "widget", "text", "none"); ``run`` can
             choose per call.
+        stall_after: seconds a call may go without progress before its cell names the ranks that
+            hold the others up (as for ``notebook_launcher``); None never looks.
 
     Example::
 
@@ -76,12 +78,13 @@ class WarmRanks:
     def __new__(cls, num_processes: int | None = None, mixed_precision: str = "no", *,
                 use_port: int | str | None = None, start_method: str | None = None,
                 display: str | Display = "auto", num_nodes: int | None = None, cluster: str | None = None,
-                cpu: bool = False, detach: bool = False) -> Any:
+                cpu: bool = False, detach: bool = False, stall_after: float | None = STALL_AFTER_S) -> Any:
         if not isinstance(detach, bool):
             raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
         if not detach:
             return super().__new__(cls)
-        request = _pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu)
+        request = _pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
+                                stall_after)
         if not home_class(request).keeps_warm_ranks:
             raise LaunchConfigError(f"detach=True keeps warm ranks on this machine: leave cluster={cluster!r} out "
                                     "(detached warm ranks on a cluster are not supported yet)")
@@ -97,9 +100,9 @@ class WarmRanks:
     def __init__(self, num_processes: int | None = None, mixed_precision: str = "no", *,
                  use_port: int | str | None = None, start_method: str | None = None,
                  display: str | Display = "auto", num_nodes: int | None = None, cluster: str | None = None,
-                 cpu: bool = False, detach: bool = False) -> None:
-        self._take(_pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu),
-                   display)
+                 cpu: bool = False, detach: bool = False, stall_after: float | None = STALL_AFTER_S) -> None:
+        self._take(_pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
+                                 stall_after), display)
 
     @classmethod
     def from_request(cls, request: LaunchRequest, display: str | Display = "none") -> "WarmRanks":
@@ -330,10 +333,11 @@ def _pool_home(request: LaunchRequest) -> RanksHome:
 
 
 def _pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start_method: Any, num_nodes: Any,
-                  cluster: Any, cpu: Any) -> LaunchRequest:
+                  cluster: Any, cpu: Any, stall_after: Any) -> LaunchRequest:
     """The request of a pool: its ranks serve calls; each call has its own timeout and display."""
     request = LaunchRequest(serve_calls, (), num_processes, mixed_precision, use_port, num_nodes=num_nodes,
-                            start_method=start_method, display="none", cpu=cpu, cluster=cluster)
+                            start_method=start_method, display="none", cpu=cpu, cluster=cluster,
+                            stall_after=stall_after)
     if num_nodes not in (None, 1) and not home_class(request).starts_every_node:
         raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray' or "
                                 "cluster='slurm', "

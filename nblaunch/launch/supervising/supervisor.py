@@ -278,6 +278,8 @@ class Supervisor:
             try:
                 rank.result = pickle.loads(body)
                 rank.has_result = True
+                rank.busy = False
+                self._stalls.heard()
             except Exception as error:
                 self._fail(rank, RankFailure(r, f"its return value could not be unpickled here: {error!r}"))
         elif kind == wire.ERROR:
