@@ -36,7 +36,7 @@ CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
 CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
-INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.cell_stop)
+INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.pool.cell_stop)
 RELEASE = b"x"  # warm ranks: empty body: make the group's waiting collectives raise (a peer failed)
 CLAIM = b"K"  # empty body: a launch takes a rank on standby; the rank answers with the same frame
 

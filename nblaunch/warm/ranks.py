@@ -28,21 +28,20 @@ from nblaunch import wire
 from nblaunch.detached import call_socket, store
 from nblaunch.display import make_display
 from nblaunch.events import Display, RankStarted, RankState
-from nblaunch.homes import home_class, open_home
+from nblaunch.homes import home_class
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
-from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.packing import Payload
 from nblaunch.warm.call_outcome import finish_call
 from nblaunch.warm.call_router import CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
+from nblaunch.warm.pool_request import pool_home, pool_request
 from nblaunch.warm.settling import Settling
-from nblaunch.worker.calls import serve_calls
-from nblaunch.worker.pool_group import reform_group
+from nblaunch.worker.pool.group import reform_group
 
 _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
 _REFORM_S = 60.0  # backstop for re-forming the group: gloo connects in milliseconds
@@ -83,12 +82,12 @@ class WarmRanks:
             raise LaunchConfigError(f"detach must be True or False, got {detach!r}")
         if not detach:
             return super().__new__(cls)
-        request = _pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
+        request = pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
                                 stall_after)
         if not home_class(request).keeps_warm_ranks:
             raise LaunchConfigError(f"detach=True keeps warm ranks on this machine: leave cluster={cluster!r} out "
                                     "(detached warm ranks on a cluster are not supported yet)")
-        home = _pool_home(request)  # bad input is refused here; it starts nothing
+        home = pool_home(request)  # bad input is refused here; it starts nothing
         return DetachedWarmRanks.start(PoolJob(request), home.plan.num_processes, display)
 
     @classmethod
@@ -101,7 +100,7 @@ class WarmRanks:
                  use_port: int | str | None = None, start_method: str | None = None,
                  display: str | Display = "auto", num_nodes: int | None = None, cluster: str | None = None,
                  cpu: bool = False, detach: bool = False, stall_after: float | None = STALL_AFTER_S) -> None:
-        self._take(_pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
+        self._take(pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
                                  stall_after), display)
 
     @classmethod
@@ -117,7 +116,7 @@ class WarmRanks:
         self._display = display
         # Bad input is refused here, before anything starts; each start of the ranks plans again
         # (a fresh port), with the display that routes each call's events to its cell.
-        self._home = _pool_home(request)
+        self._home = pool_home(request)
         self._launch: Launch | None = None
         self._router: CallRouter | None = None
         self._ids = itertools.count(1)
@@ -289,7 +288,7 @@ class WarmRanks:
                   f"{self._num_ranks} fresh ones: what the old ones held is gone", file=sys.stderr)
             self._ended_with = None
         router = CallRouter(self._num_ranks)
-        self._home = _pool_home(dataclasses.replace(self.request, display=router))
+        self._home = pool_home(dataclasses.replace(self.request, display=router))
         launch = Launch(self._home)
         launch.start(stop_at_exit=False)  # warm ranks are closed quietly at exit, see _close_all
         self._launch, self._router = launch, router
@@ -321,28 +320,6 @@ class WarmRanks:
         except Exception:
             pickling.check_picklable(function, args)  # names the culprit
             raise
-
-
-def _pool_home(request: LaunchRequest) -> RanksHome:
-    """The home of a pool (planned again for each fresh pool: a fresh port)."""
-    home = open_home(request)
-    if home.plan.start_method == "xla":
-        raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
-                                "processes); use notebook_launcher, which starts them per call")
-    return home
-
-
-def _pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start_method: Any, num_nodes: Any,
-                  cluster: Any, cpu: Any, stall_after: Any) -> LaunchRequest:
-    """The request of a pool: its ranks serve calls; each call has its own timeout and display."""
-    request = LaunchRequest(serve_calls, (), num_processes, mixed_precision, use_port, num_nodes=num_nodes,
-                            start_method=start_method, display="none", cpu=cpu, cluster=cluster,
-                            stall_after=stall_after)
-    if num_nodes not in (None, 1) and not home_class(request).starts_every_node:
-        raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray' or "
-                                "cluster='slurm', "
-                                f"or leave num_nodes out (got num_nodes={num_nodes!r})")
-    return request
 
 
 @dataclasses.dataclass

@@ -13,10 +13,10 @@ finished rank.
 A call may name the ranks it runs on (``only``): the others answer at once with nothing, and in
 the named ones the collectives of the pool's group are refused for the call (``subset_guard``),
 since the ranks left out would never join them. The launcher's other requests during a call
-(interrupt, release the group: ``control``) come through the watch thread to ``cell_stop`` and
-``pool_group``.
+(interrupt, release the group: ``control``) come through the watch thread to ``pool.cell_stop`` and
+``pool.group``.
 
-The ranks form their process group before the first call (``pool_group``). Every call starts
+The ranks form their process group before the first call (``pool.group``). Every call starts
 with a clean training state: the process group stays, user objects stay
 (in the namespace of :func:`run_code` and in whatever the functions keep), but an interrupted
 loop's bookkeeping (the active DataLoader, accumulation counters) does not carry over.
@@ -39,10 +39,11 @@ from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.contract import variables as v
-from nblaunch.worker import cell_stop, channel, payload, pool_group
+from nblaunch.worker import channel, payload
+from nblaunch.worker.pool import cell_stop, group
+from nblaunch.worker.pool.subset_guard import collectives_refused
 from nblaunch.worker.reports import describe, failure_record
 from nblaunch.worker.streams import flush_streams
-from nblaunch.worker.subset_guard import collectives_refused
 
 _inbox: queue.SimpleQueue = queue.SimpleQueue()
 namespace: dict[str, Any] = {"__name__": "__main__"}  # what ``%%distributed`` cells define, per rank
@@ -69,7 +70,7 @@ def control(kind: bytes, body: bytes) -> None:
     if kind == wire.INTERRUPT:
         cell_stop.interrupt(pickle.loads(body))
     elif kind == wire.RELEASE:
-        why_not = pool_group.release_group()
+        why_not = group.release_group()
         _released.append(why_not)
         channel.send(wire.RELEASED, pickle.dumps(why_not))
 
@@ -77,7 +78,7 @@ def control(kind: bytes, body: bytes) -> None:
 def serve_calls() -> None:
     """The function a warm rank runs: it joins the pool's process group, then serves calls, one
     at a time, until CLOSE."""
-    pool_group.form_pool_group()
+    group.form_pool_group()
     cell_stop.install()
     rank = int(os.environ[v.RANK])
     while True:

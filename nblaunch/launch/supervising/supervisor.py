@@ -19,8 +19,7 @@ import time
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.events import (CallFailed, CallFinished, CallSteps, Event, GroupReleased, Metrics, Output, Progress,
-                             RankDevice, RankFinished, RankStarted, RankState, Stacks)
+from nblaunch.events import Event, Metrics, Output, Progress, RankDevice, RankFinished, RankStarted, RankState, Stacks
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
@@ -28,23 +27,22 @@ from nblaunch.launch.starting.packing import Payload
 from nblaunch.launch.supervising.gpu_usage import SAMPLE_EVERY_S, GpuSampler
 from nblaunch.launch.starting.processes import WorkerProcess
 from nblaunch.launch.supervising.interrupts import interrupts_wait
+from nblaunch.launch.supervising import call_frames
 from nblaunch.launch.supervising.stall import StallReports
+from nblaunch.launch.supervising.stopping import StoppingRanks
 from nblaunch.launch.supervising.watched_rank import WatchedRank
 
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
 _STACKS_ON_FAILURE_S = 0.05  # a healthy rank answers in milliseconds; the failure is what matters
 _STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
-_FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (GIL held in C)
-_FULL_REPORT_S = 1.0  # a failed rank sends its traceback and exits within milliseconds of its first report
-_REAP_BACKSTOP_S = 10.0
 _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arrive before the next read
 _COALESCE_BELOW = 64 * 1024
 _DRAIN_MAX_READS = 64  # after a rank's exit, what its pipes held: at most 64 MiB each
 
 _FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"  # see WatchedRank
 
-class Supervisor:
+class Supervisor(StoppingRanks):
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
     def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
@@ -298,15 +296,16 @@ class Supervisor:
         elif kind == wire.STACKS:
             self._stacks[r] = body.decode("utf-8", "replace")
             self._emit(Stacks(rank=r, text=self._stacks[r], why=self._stacks_why))
-        elif kind in (wire.CALL_RESULT, wire.CALL_FAILED):
-            self._on_call_answer(rank, kind, body)
+        elif kind in call_frames.KINDS:
+            if kind in call_frames.ANSWERS:
+                # The rank flushed its output before sending this: the call's last lines come first.
+                self._read_what_is_there(rank, (_FD_STDOUT, _FD_STDERR))
+                rank.busy = False  # idle until the next call
+                self._stalls.heard()
+            event = call_frames.call_event(r, kind, body)
+            self._fail(rank, event) if isinstance(event, RankFailure) else self._emit(event)
         elif kind == wire.MOVED:
             self._stalls.heard()
-        elif kind == wire.STEPS:
-            call_id, steps = pickle.loads(body)
-            self._emit(CallSteps(rank=r, call_id=call_id, steps=steps))
-        elif kind == wire.RELEASED:
-            self._emit(GroupReleased(rank=r, why_not=pickle.loads(body)))
         elif kind == wire.DEVICE:
             device, precision = pickle.loads(body)
             self._emit(RankDevice(rank=r, device=device, precision=precision))
@@ -314,23 +313,6 @@ class Supervisor:
             rank.process.cleaned = True
         elif kind == wire.IMPORTED:
             rank.imported = pickle.loads(body)
-
-    def _on_call_answer(self, rank: WatchedRank, kind: bytes, body: bytes) -> None:
-        """A warm rank's call returned or raised: the rank is idle until the next call."""
-        # The rank flushed its output before sending this: the call's last lines come first.
-        self._read_what_is_there(rank, (_FD_STDOUT, _FD_STDERR))
-        rank.busy = False
-        self._stalls.heard()
-        try:
-            call_id, value = pickle.loads(body)
-        except Exception as error:
-            self._fail(rank, RankFailure(rank.number, f"its call's answer could not be unpickled here: {error!r}"))
-            return
-        if kind == wire.CALL_FAILED:
-            value.rank = rank.number  # numbered by the pipe it came on
-            self._emit(CallFailed(rank=rank.number, call_id=call_id, failure=value))
-        else:
-            self._emit(CallFinished(rank=rank.number, call_id=call_id, result=value))
 
     def _fail(self, rank: WatchedRank, failure: RankFailure) -> None:
         if self._stopping_on_request and failure.collateral:
@@ -370,63 +352,6 @@ class Supervisor:
         detail = "\n".join(filter(None, [failure.reason, failure.traceback.rstrip(), failure.hint]))
         self._shown_failed.append(rank.number)
         self._emit(RankFinished(rank=rank.number, state=RankState.FAILED, detail=detail, exitcode=code))
-
-    # ----------------------------------------------------------------------------- stopping
-    def _stop(self, stack_budget: float, *, fallback: bool) -> None:
-        """Collect the live ranks' stacks within ``stack_budget`` seconds, then kill them all."""
-        self._stopping = True
-        self._stacks_why = "stop"
-        self._stacks.clear()  # a snapshot taken earlier is not where the ranks were stopped
-        asked = [r for r in self._live() if r.failure is None]
-        for rank in asked:
-            rank.pipes.request_stacks()
-        self._pump_until(lambda: all(r.finished or r.number in self._stacks for r in asked), stack_budget)
-        silent = [r for r in asked if not r.finished and r.number not in self._stacks]
-        if fallback and silent:
-            for pid in {rank.process.pid for rank in silent}:  # faulthandler dumps from C, into stderr
-                try:
-                    os.kill(pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
-            self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
-        # A failed rank gets a moment to send its traceback and leave by itself (stopping what it
-        # started, flushing C's buffers: often the best clue); the others stop now.
-        waiting = [r for r in self._live() if r.failure is not None]
-        for process in self._live_processes():
-            if not any(r.process is process for r in waiting):
-                process.kill()
-        self._pump_until(lambda: all(r.finished for r in waiting), _FULL_REPORT_S)
-        for process in self._live_processes():
-            process.kill()
-
-    def _pump_until(self, done: Callable[[], bool], budget: float) -> None:
-        end = time.monotonic() + budget
-        while not done() and self._live():
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            self._pump(left)
-
-    def _teardown(self) -> None:
-        """Kill and reap every rank, close every pipe, once, on every path out of ``run``."""
-        if self._wake_read == -1:  # done already (an interrupt's stop tears down before raising)
-            return
-        for process in self._live_processes():
-            process.kill()
-        end = time.monotonic() + _REAP_BACKSTOP_S
-        while self._live() and time.monotonic() < end:
-            self._pump(0.1)
-        for process in self._processes:
-            if process.returncode is None:  # stuck in the kernel (D state) past the backstop: reap blocking
-                process.wait()
-            for pipes in process.ranks:
-                self._ranks[pipes.rank].finished = True
-            process.close()
-        self._selector.close()
-        with self._wake_lock:
-            os.close(self._wake_read)
-            os.close(self._wake_write)
-            self._wake_read = self._wake_write = -1
 
     def _failure_error(self, failures: list[WatchedRank]) -> RankFailedError:
         in_time_order = sorted((r.failure for r in failures), key=lambda f: f.failed_at)
