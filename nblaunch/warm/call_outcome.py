@@ -1,4 +1,4 @@
-"""What a finished call on warm ranks shows in its cell, and what it returns or raises.
+"""How a call on warm ranks begins in its cell, and what a finished one shows, and what it returns or raises.
 
 Every rank answered: with its value, or with the error its call raised. Values come back as a
 list in rank order; errors are raised as a launch raises them (``RankFailedError``: the first
@@ -13,12 +13,25 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
-from nblaunch.events import Display, LaunchFinished, RankFinished, RankState
+from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
 from nblaunch.launch.errors import LaunchInterrupted, RankFailedError
 
 _KEPT = "the warm ranks and what they hold stay"
+
+
+def show_start(shown: Display, router: Any, function: Callable) -> None:
+    """The call's first events in its cell: the plan (warm ranks: since when, how many calls), the ranks."""
+    start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
+    if router.calls_before:  # the ranks were not started for this call: say what they are
+        start = dataclasses.replace(start, start_method="warm", start_reason=(
+            f"up since {router.up_since}, {router.calls_before} earlier "
+            f"call{'s' if router.calls_before != 1 else ''}; started by {router.started.start_method}"))
+    shown.on_event(start)
+    for rank, pid in sorted(router.pids.items()):
+        shown.on_event(RankStarted(rank=rank, pid=pid))
 
 
 def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: tuple[int, ...] | None) -> list[Any]:

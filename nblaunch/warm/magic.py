@@ -36,6 +36,7 @@ from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from nblaunch.display import DISPLAY_CHOICES
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning.request import check_stall_after
 from nblaunch.warm.detached_pool import DetachedWarmRanks
@@ -47,14 +48,15 @@ _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih"
 
 
 _USAGE = ("%%distributed [-n N] [--spawn] [--cpu] [--timeout S] [--stall-after S] [--ray | --slurm] [--nodes K] "
-          "[--detach] [--rank R | --ranks R,R...]")
+          "[--detach] [--rank R | --ranks R,R...] [--display auto|widget|text|none]")
 
 
 def cell_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="%%distributed", add_help=False, exit_on_error=False)
     parser.add_argument("-n", "--num-processes", type=int, default=None)
-    parser.add_argument("--spawn", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
+    # None where not given: a cell that leaves an option out runs on the ranks that are up.
+    parser.add_argument("--spawn", action="store_const", const=True, default=None)
+    parser.add_argument("--cpu", action="store_const", const=True, default=None)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--nodes", type=int, default=None)
     parser.add_argument("--ray", action="store_true")
@@ -62,6 +64,7 @@ def cell_parser() -> argparse.ArgumentParser:
     parser.add_argument("--detach", action="store_true")
     parser.add_argument("--rank", "--ranks", dest="ranks", type=_rank_list, default=None)
     parser.add_argument("--stall-after", dest="stall_after", type=float, default=None)
+    parser.add_argument("--display", choices=DISPLAY_CHOICES, default=None)
     return parser
 
 
@@ -107,7 +110,7 @@ class DistributedMagics(Magics):
         self._cells += 1
         sent = self._names_to_send(cell)
         try:
-            results = pool.run(run_code, cell, sent, filename, timeout=options.timeout,
+            results = pool.run(run_code, cell, sent, filename, timeout=options.timeout, display=options.display,
                                **({"ranks": options.ranks} if options.ranks is not None else {}))
         except BaseException:
             if isinstance(pool, DetachedWarmRanks):  # its ranks may have been replaced: send names again
@@ -136,14 +139,23 @@ class DistributedMagics(Magics):
         if self.pool is None and detach:
             self._reattach(num_processes, shape)
         pool = self.pool
+        # What the cell leaves out is what the ranks that are up have (or the defaults).
+        shape = tuple(asked if asked is not None else had
+                      for asked, had in zip(shape, self._shape if pool is not None else (False, None, None, False)))
         wanted = num_processes if num_processes is not None else (pool.num_processes if pool else None)
         changed = pool is not None and (wanted != pool.num_processes or shape != self._shape)
+        if pool is not None and not changed and stall_after is not None and stall_after != pool.request.stall_after:
+            print(f"nblaunch: --stall-after applies when the ranks start; these keep {pool.request.stall_after}")
         if isinstance(pool, DetachedWarmRanks) and changed:  # hours of state: never closed by a side effect
             raise LaunchConfigError(
                 f"the detached warm ranks {pool.launch_id} have {pool.num_processes} ranks, started "
                 f"{_describe(self._shape)}: run the cell without options that change them, or close them first "
                 "with %distributed stop")
         if changed or (detach and pool is not None and not isinstance(pool, DetachedWarmRanks)):
+            if changed and pool.alive:  # never silently: what the ranks held goes with them
+                print(f"nblaunch: this cell asks for {wanted} ranks {_describe(shape)}; the warm ranks that are up "
+                      f"have {pool.num_processes}, {_describe(self._shape)}: closing them and starting new ones "
+                      "(what they held is gone)")
             pool.close()
             pool = None
         if pool is None:

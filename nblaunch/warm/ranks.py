@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from nblaunch import wire
 from nblaunch.detached import call_socket, store
 from nblaunch.display import make_display
-from nblaunch.events import Display, RankStarted, RankState
+from nblaunch.events import Display, RankState
 from nblaunch.homes import home_class
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
@@ -36,11 +36,11 @@ from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.starting import fdtable
 from nblaunch.launch.starting.packing import Payload
-from nblaunch.warm.call_outcome import finish_call
+from nblaunch.warm.call_outcome import finish_call, show_start
 from nblaunch.warm.call_router import CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
 from nblaunch.warm.pool_request import pool_home, pool_request
-from nblaunch.warm.settling import Settling
+from nblaunch.warm.settling import Presses, Settling
 from nblaunch.worker.pool.group import reform_group
 
 _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
@@ -208,6 +208,7 @@ class WarmRanks:
               only: tuple[int, ...] | None) -> list[Any]:
         call_id = next(self._ids)
         packed = self._package_call(call_id, function, args, only)  # refused here, before anything is sent
+        presses = Presses()  # interrupts during the call are counted, not raised
         try:
             launch, router = self._ensure_started()
             call = router.begin(call_id, self._num_ranks)
@@ -215,16 +216,22 @@ class WarmRanks:
             settling = Settling(launch, call)
             try:
                 started = launch.reset_clock()
-                self._show_start(shown, router, function)
-                launch.send(wire.CALL, packed.data, packed)
-                fdtable.close(packed.fds)  # sent: the ranks have their own; less to hold during the call
-                self._pump(call, settling, shown, launch, None if timeout is None else started + timeout, timeout)
+                show_start(shown, router, function)
+                self._pump(call, settling, shown, launch, None if timeout is None else started + timeout, timeout,
+                           packed, presses)
                 if call.ended is not None:
                     self._ended_with = call.ended.summary
-                    launch.result(timeout=_CLOSE_S)  # raises the pool's error
+                    try:
+                        launch.result(timeout=_CLOSE_S)  # raises the pool's error
+                    except LaunchCancelledError as error:
+                        if settling.interrupted:  # the user's interrupt ended them: a KeyboardInterrupt
+                            raise LaunchInterrupted(f"{error}; the next cell starts fresh ones") from None
+                        raise
                     raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
             finally:
                 router.end(call)
+            # Interrupted: the cell ends with that; a press after the ranks came back (the stop
+            # button pressed twice) must not cut its report or the group's re-forming short.
             try:
                 return finish_call(call, settling, shown, time.monotonic() - started, only)
             finally:
@@ -232,41 +239,36 @@ class WarmRanks:
                 if settling.released:
                     self._reform_group(launch)
         finally:
+            presses.restore()
             fdtable.close(packed.fds)  # the ranks hold their own copies of the descriptors
 
-    def _show_start(self, shown: Display, router: CallRouter, function: Callable) -> None:
-        start = dataclasses.replace(router.started, function_name=getattr(function, "__name__", "call"))
-        if router.calls_before:  # the ranks were not started for this call: say what they are
-            start = dataclasses.replace(start, start_method="warm", start_reason=(
-                f"up since {router.up_since}, {router.calls_before} earlier "
-                f"call{'s' if router.calls_before != 1 else ''}; started by {router.started.start_method}"))
-        shown.on_event(start)
-        for rank, pid in sorted(router.pids.items()):
-            shown.on_event(RankStarted(rank=rank, pid=pid))
-
     def _pump(self, call: Any, settling: Settling, shown: Display, launch: Launch, deadline: float | None,
-              timeout: float | None) -> None:
-        """Show the call's events until every rank answered. A failure or an interrupt brings the
-        ranks back to their call loop (``settling``); ranks that do not come back, and a timeout,
-        end the pool."""
+              timeout: float | None, packed: Payload, presses: "Presses") -> None:
+        """Send the call, then show its events until every rank answered. A failure or an
+        interrupt brings the ranks back to their call loop (``settling``); ranks that do not come
+        back, and a timeout, end the pool."""
+        presses.counting()  # from here an interrupt is a count the loop reads, never raised mid-way
+        launch.send(wire.CALL, packed.data, packed)
+        fdtable.close(packed.fds)  # sent: the ranks have their own; less to hold during the call
         ended_because = ""
         while not call.over:
             try:
                 for event in call.events(None if ended_because else deadline, tick=Settling.TICK_S):
                     if event is not None:
                         shown.on_event(event)
-                    if not ended_because:
-                        ended_because = settling.tick()
-                        if ended_because:
-                            launch.cancel(LaunchCancelledError(f"the warm ranks were ended: {ended_because}"))
+                    if ended_because:  # the pool is ending: more presses change nothing
+                        presses.take()
+                        continue
+                    for _ in range(presses.take()):
+                        ended_because = ended_because or settling.interrupt()
+                    ended_because = ended_because or settling.tick()
+                    if ended_because:
+                        launch.cancel(LaunchCancelledError(f"the warm ranks were ended: {ended_because}"))
             except CallTimedOut:
                 ended_because = "timeout"
                 launch.cancel(LaunchTimeoutError(timeout or 0.0, {}))
-            except KeyboardInterrupt:
-                if not ended_because:
-                    ended_because = settling.interrupt()
-                    if ended_because:
-                        launch.cancel(LaunchInterrupted(f"the warm ranks were ended: {ended_because}"))
+        if presses.take():  # it came as the ranks finished: the cell is interrupted all the same
+            settling.interrupted = True
 
     def _reform_group(self, launch: Launch) -> None:
         """After a release: a fresh backend for the pool's group on every rank, or the pool ends."""

@@ -28,6 +28,8 @@ Example (what ``WarmRanks`` does while a call runs)::
 from __future__ import annotations
 
 import pickle
+import signal
+import threading
 import time
 from typing import Any
 
@@ -114,3 +116,29 @@ class Settling:
     def _climb(self, rung: str, kind: bytes, body: bytes) -> None:
         self.rung, self._since = rung, time.monotonic()
         self._launch.send(kind, body)
+
+
+class Presses:
+    """Interrupts counted instead of raised while a call runs: the loop that shows the call reads
+    the count (each press starts or climbs the ladder), so an interrupt never lands half-way
+    through sending a frame, showing an event or ending the cell (the stop button pressed twice)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._previous: Any = None
+
+    def counting(self) -> None:
+        if self._previous is None and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._press)
+
+    def take(self) -> int:
+        count, self._count = self._count, 0
+        return count
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _press(self, signum: int, frame: Any) -> None:
+        self._count += 1

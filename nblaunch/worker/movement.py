@@ -39,17 +39,19 @@ def watch_main_thread() -> None:
 
 
 def _look_out(main: int, every: float) -> None:
-    last = None
+    last = _place(main)
     while True:
         time.sleep(every)
-        frame = sys._current_frames().get(main)
-        if frame is None:
-            return
-        place = (id(frame.f_code), id(frame), frame.f_lasti)
-        del frame
-        if place != last and last is not None:
+        place = _place(main)
+        if place != last:
             try:
                 channel.send(wire.MOVED, b"")
             except OSError:
                 return  # the launcher is gone
         last = place
+
+
+def _place(thread: int) -> tuple[int, int, int] | None:
+    """Where ``thread`` is: its innermost frame and the instruction in it."""
+    frame = sys._current_frames().get(thread)
+    return None if frame is None else (id(frame.f_code), id(frame), frame.f_lasti)

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from nblaunch import notebook_launcher
-from nblaunch.events import RankState, Stacks
+from nblaunch.events import RankState, Stacks, StallCleared, Stalled
 from nblaunch.launch.errors import LaunchCancelledError
-from nblaunch.launch.supervising.quiet import QuietWatch
+from nblaunch.launch.supervising.stall import StallWatch, collective_of, verdict
 
 
 def waits_here(go: str) -> int:
@@ -66,25 +66,75 @@ def sleeps_quietly(seconds: float) -> int:
     return int(os.environ["RANK"])
 
 
-def test_a_launch_gone_quiet_shows_every_ranks_stack_by_itself(monkeypatch, recorder):
-    monkeypatch.setattr("nblaunch.launch.supervising.supervisor.QUIET_STACKS_S", 0.3)
-    assert notebook_launcher(sleeps_quietly, args=(2.0,), num_processes=2, display=recorder) == [0, 1]
+def test_a_stalled_launch_shows_every_ranks_stack_by_itself_and_clears_it(recorder):
+    assert notebook_launcher(sleeps_quietly, args=(2.0,), num_processes=2, display=recorder, stall_after=0.3) == [0, 1]
     quiet = [e for e in recorder.of(Stacks) if e.why == "quiet"]
     assert {e.rank for e in quiet} == {0, 1}
     assert all("in sleeps_quietly" in e.text and "time.sleep(seconds)" in e.text for e in quiet)
     # Backing off: at about 0.3 s, 0.6 s and 1.2 s of silence, not every 0.3 s.
     assert len(quiet) <= 2 * 4, len(quiet)
+    stalls = recorder.of(Stalled)
+    assert stalls and "no rank is in a collective" in stalls[0].verdict
+    assert "rank 0 is elsewhere" in stalls[0].verdict and "time.sleep(seconds)" in stalls[0].verdict
+    assert recorder.of(StallCleared)  # the ranks came back
 
 
-def test_the_quiet_watch_backs_off_and_any_sign_of_life_resets_it():
-    watch = QuietWatch(after=30.0, now=0.0)
+def test_a_busy_loop_is_progress_not_a_stall(recorder):
+    notebook_launcher(spins, args=(5.0,), num_processes=2, display=recorder, stall_after=2.0)
+    assert not recorder.of(Stalled), [e.verdict for e in recorder.of(Stalled)]
+
+
+def spins(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(100))
+
+
+def test_stall_after_none_never_looks(recorder):
+    notebook_launcher(sleeps_quietly, args=(1.0,), num_processes=2, display=recorder, stall_after=None)
+    assert not recorder.of(Stalled) and not [e for e in recorder.of(Stacks) if e.why == "quiet"]
+
+
+def test_the_stall_watch_backs_off_and_any_sign_of_life_resets_it():
+    watch = StallWatch(after=30.0, now=0.0)
     assert watch.wait(0.0) == 30.0 and not watch.due(29.9)
     assert watch.due(30.0) and not watch.due(45.0)
     assert watch.due(60.0) and not watch.due(100.0) and watch.due(120.0)
-    watch.heard(130.0)
+    assert watch.heard(130.0) is None  # no stall was shown
     assert watch.wait(130.0) == 30.0 and not watch.due(159.0) and watch.due(160.0)
-    never = QuietWatch(after=None, now=0.0)
+    watch.shown = True
+    assert watch.heard(170.0) == 40.0  # how long it had stalled
+    never = StallWatch(after=None, now=0.0)
     assert never.wait(0.0) is None and not never.due(1e9)
+
+
+def _stack(*frames: tuple) -> str:
+    listed = "".join(f'  File "{path}", line {line}, in {function}\n    {code}\n' for path, line, function, code in frames)
+    return "Thread MainThread (most recent call last):\n" + listed
+
+
+TORCH = os.path.dirname(__import__("torch").__file__)
+
+
+def test_the_verdict_says_who_waits_in_what_and_who_holds_them_up():
+    reducing = _stack(("/home/me/train.py", 9, "train", "dist.all_reduce(t)"),
+                      (f"{TORCH}/distributed/c10d_logger.py", 83, "wrapper", "return func(*args, **kwargs)"),
+                      (f"{TORCH}/distributed/distributed_c10d.py", 3252, "all_reduce", "work.wait()"))
+    backward = _stack(("/home/me/train.py", 12, "train", "loss.backward()"),
+                      (f"{TORCH}/_tensor.py", 600, "backward", "torch.autograd.backward("),
+                      (f"{TORCH}/autograd/__init__.py", 300, "backward", "_engine_run_backward("))
+    sleeping = _stack(("/home/me/train.py", 5, "train", "time.sleep(100)"))
+    assert collective_of(reducing) == "all_reduce" and collective_of(backward) == "backward"
+    assert collective_of(sleeping) == ""
+    said = verdict({0: reducing, 1: sleeping}, 61.0)
+    assert said.splitlines() == [
+        "no rank made progress for 61 s; nothing was stopped",
+        "rank 0 waits in all_reduce (train.py, line 9, in train: dist.all_reduce(t))",
+        "rank 1 is elsewhere, at train.py, line 5, in train: time.sleep(100)",
+        "-> the collective waits for rank 1, which is not in it",
+    ]
+    assert "different collectives" in verdict({0: reducing, 1: backward}, 61.0)
+    assert "every rank waits in the same collective" in verdict({0: reducing, 1: reducing}, 61.0)
 
 
 def test_a_stack_keeps_the_users_frames_when_it_ends_in_nblaunch_code():

@@ -146,4 +146,6 @@ def verdict(stacks: dict[int, str], silent_s: float) -> str:
     elif waiting:
         lines.append("-> every rank waits in the same collective: a rank outside this launch, or another "
                      "process group, holds it up")
+    else:
+        lines.append("-> no rank is in a collective: each waits where its own code is (a sleep, a lock, a slow call)")
     return "\n".join(lines)
