@@ -425,6 +425,28 @@ def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive)
     assert "epoch 3: loss" in later and "epoch 4: loss" in later
 
 
+def test_the_interactive_notebook_keeps_the_state_through_an_error_and_a_released_collective(interactive):
+    typo = error(cell(interactive, "a name no cell defined"))
+    assert typo.ename == "RankFailedError" and "name 'learning_rate' is not defined" in typo.evalue
+    before = result_value(cell(interactive, 'group["lr"] = 5e-4'))  # evaluate() after the last epoch
+    after = result_value(cell(interactive, "the same model as before the error"))
+    assert after == before, (after, before)
+    gave_up = error(cell(interactive, "rank 1 gives up before the all-reduce"))
+    assert gave_up.ename == "RankFailedError" and gave_up.evalue.startswith("rank 1 failed: ValueError: rank 1 gives up")
+    mended = result_value(cell(interactive, "the group works again"))
+    assert mended == [(2.0, after[0]), (2.0, after[1])], mended
+    assert result_value(cell(interactive, "dist.barrier()")) == ["both ranks passed the barrier"] * 2
+    (batches, index), = result_value(cell(interactive, "%%distributed --rank 1"))  # rank 1's alone
+    assert index == 1 and batches > 0
+
+
+def result_value(notebook_cell):
+    import ast
+
+    value = next(o.data["text/plain"] for o in notebook_cell.outputs if o.output_type == "execute_result")
+    return ast.literal_eval(value)
+
+
 # --------------------------------------------------------------------------- 06 FSDP
 
 
