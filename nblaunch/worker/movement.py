@@ -3,10 +3,11 @@
 A training loop that prints nothing for minutes is not stuck; a rank waiting in a collective or
 sleeping is. The launcher calls a launch stalled when no rank made progress for ``stall_after``
 seconds (``nblaunch.launch.supervising.stall``): a line, a bar, a metric, a call's answer, or this
-module's ``MOVED`` frame. A bare thread looks at where the main thread is every quarter of
-``stall_after`` (between 0.25 and 5 s): if its innermost Python frame, or the instruction in it,
-changed since the last look, the rank moved. A rank blocked in one C call (a collective's wait,
-``time.sleep``) stays where it is and sends nothing; a loop, however quiet, moves.
+module's ``MOVED`` frame. A bare thread looks at the main thread every quarter of ``stall_after``
+(between 0.25 and 5 s): it moved if its innermost Python frame, or the instruction in it, changed
+since the last look, or if it spent a quarter of that time on a CPU (a loop that sits in one C
+call most of the time looks still, and a long matmul is work, not a stall). A rank blocked in a
+collective's wait or in ``time.sleep`` is neither, and sends nothing.
 
 Example (the bootstrap, once the user's function is about to run)::
 
@@ -39,16 +40,24 @@ def watch_main_thread() -> None:
 
 
 def _look_out(main: int, every: float) -> None:
-    last = _place(main)
+    clock = time.pthread_getcpuclockid(main)
+    last, cpu = _place(main), time.clock_gettime(clock)
+    try:
+        channel.send(wire.MOVED, b"")  # the function begins: a start that took long is no stall
+    except OSError:
+        return
     while True:
         time.sleep(every)
-        place = _place(main)
-        if place != last:
+        try:
+            place, used = _place(main), time.clock_gettime(clock)
+        except OSError:
+            return  # the main thread is gone: the rank is leaving
+        if place != last or used - cpu >= every / 4:
             try:
                 channel.send(wire.MOVED, b"")
             except OSError:
                 return  # the launcher is gone
-        last = place
+        last, cpu = place, used
 
 
 def _place(thread: int) -> tuple[int, int, int] | None:
