@@ -13,7 +13,8 @@ from htmlq import bars, text
 from nblaunch.display import render
 from nblaunch.display.view_state import LaunchView
 from nblaunch.display.summary import summary_html
-from nblaunch.events import LaunchFinished, Output, Progress, RankFinished, RankStarted, RankState, Stacks
+from nblaunch.events import (LaunchFinished, Output, Progress, RankFinished, RankStarted, RankState, Stacks,
+                             StallCleared, Stalled)
 from test_widget_display import started
 
 
@@ -110,3 +111,17 @@ def test_stacks_asked_for_show_live_and_only_stop_stacks_go_in_the_summary():
     assert "where it was stopped" not in summary_html(view, now)
     view.apply(Stacks(1, stack, why="stop"), now)
     assert "rank 1: where it was stopped" in summary_html(view, now)
+
+
+def test_a_stall_shows_its_verdict_above_the_stacks_and_clears_itself():
+    now = time.monotonic()
+    view = running_view(now)
+    stack = 'Thread MainThread (most recent call last):\n  File "<cell>", line 4, in train\n    time.sleep(60)'
+    view.apply(Stacks(1, stack, why="quiet"), now)
+    view.apply(Stalled(61.0, "no rank made progress for 61 s; nothing was stopped\nrank 0 waits in all_reduce (x)\n"
+                             "rank 1 is elsewhere, at <cell>, line 4"), now)
+    live = render.stacks_html(view)
+    assert "stalled" in live and "rank 0 waits in all_reduce" in live and "time.sleep(60)" in live
+    assert live.index("rank 0 waits in all_reduce") < live.index("where each rank is")
+    view.apply(StallCleared(70.0), now)
+    assert render.stacks_html(view) == ""  # progress again: nothing of the stall is left on show
