@@ -236,7 +236,7 @@ class WarmRanks:
                 return finish_call(call, settling, shown, time.monotonic() - started, only)
             finally:
                 shown.close()
-                if settling.released:
+                if settling.group_to_reform:
                     self._reform_group(launch)
         finally:
             presses.restore()

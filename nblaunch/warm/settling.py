@@ -71,9 +71,6 @@ class Settling:
         call, now = self._call, time.monotonic()
         if call.over:
             return ""
-        refused = [f"rank {r}: {why}" for r, why in sorted(call.released.items()) if why]
-        if refused:
-            return "a rank raised while others wait in a collective, and " + "; ".join(refused)
         if not self.interrupted and self.rung == "" and call.failures:
             first = min(f.failed_at or now for f in call.failures.values())
             if now - first >= RELEASE_AFTER_S:
@@ -105,9 +102,16 @@ class Settling:
             self._release()
         else:
             left = ", ".join(map(str, self._call.unanswered))
-            return (f"rank {left} did not come back within {RETURN_WITHIN_S:g} s of being released and "
-                    f"interrupted (it may ignore SIGINT, or be stuck in C code)")
+            refused = "; ".join(why for why in self._call.released.values() if why)
+            how = f"interrupted ({refused})" if refused else "released and interrupted"
+            return (f"rank {left} did not come back within {RETURN_WITHIN_S:g} s of being {how}: it may ignore "
+                    "SIGINT, or be stuck in C code or in a collective")
         return ""
+
+    @property
+    def group_to_reform(self) -> bool:
+        """The ranks released their group's connections: it must be re-formed before the next call."""
+        return self.released and not any(self._call.released.values())
 
     def _release(self) -> None:
         self.released = True

@@ -15,8 +15,9 @@ waiting (and later) collective of that call raises at once instead of hanging. A
 launcher has every rank *re-form* it: a fresh gloo backend is registered in the same
 ``ProcessGroup`` object, so whatever holds the group (a DDP model, an Accelerator, a DeviceMesh)
 goes on working. torch keeps one backend per backend type, so each re-forming takes a type the
-group has not used yet: a pool can be re-formed ``len(_SPARE_TYPES)`` times; after that (and on
-NCCL, which this does not cover yet) the launcher ends the pool and says why.
+group has not used yet: a pool can be re-formed ``len(_SPARE_TYPES)`` times; after that the
+launcher ends the pool and says why. On NCCL a release is refused (not done yet): the cell waits
+as a kernel would, the stall report names who waits, and the stop button ends the pool.
 
 Example (what a warm rank does before serving calls)::
 
