@@ -17,6 +17,7 @@ Example (what ``WarmRanks.run`` does)::
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -73,8 +74,8 @@ class Call:
             if isinstance(event, CallFinished):
                 self.results[event.rank] = event.result
                 continue
-            if isinstance(event, CallFailed):
-                self.failures[event.rank] = event.failure
+            if isinstance(event, CallFailed):  # numbered as the event is (a node's ranks are renumbered)
+                self.failures[event.rank] = dataclasses.replace(event.failure, rank=event.rank)
                 continue
             if isinstance(event, CallSteps):
                 self.steps[event.rank] = event.steps
