@@ -7,7 +7,8 @@ import shutil
 import tempfile
 import time
 
-from nblaunch.events import Event, LaunchFinished, LaunchRestarting, Output, RankFinished, RankState, Stacks
+from nblaunch.events import (CallFailed, Event, LaunchFinished, LaunchRestarting, Output, RankFinished, RankState, Stacks,
+                             Stalled)
 from nblaunch.launch import registry
 
 _KEEP_LAUNCHES = 20  # log folders of the latest launches are kept...
@@ -94,9 +95,13 @@ class LogFiles:
             self._files[event.rank].write(f"--- stack {when} ({time.strftime('%H:%M:%S')}) ---\n{event.text}\n")
         elif isinstance(event, RankFinished) and event.state == RankState.FAILED:
             self._files[event.rank].write(f"--- rank {event.rank} failed ---\n{event.detail}\n")
-        elif isinstance(event, LaunchRestarting):
+        elif isinstance(event, CallFailed):  # a warm rank's call raised; the rank serves on
+            failure = event.failure
+            self._files[event.rank].write(f"--- call {event.call_id} raised ---\n{failure.reason}\n{failure.traceback}")
+        elif isinstance(event, (LaunchRestarting, Stalled)):
+            line = event.line if isinstance(event, LaunchRestarting) else f"stalled: {event.verdict}"
             for file in self._files.values():
-                file.write(f"--- {event.line} ---\n")
+                file.write(f"--- {line} ---\n")
         elif isinstance(event, LaunchFinished):
             self.close()
 

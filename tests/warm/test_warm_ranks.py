@@ -99,6 +99,8 @@ def test_a_collective_left_waiting_by_a_failed_rank_is_released_and_the_group_re
         assert caught.value.root_cause.rank == 1 and "rank 1 never joins" in str(caught.value)
         assert [f.rank for f in caught.value.failures] == [1, 0] and caught.value.failures[1].collateral
         assert ranks.run(pid) == old and ranks.run(reduce_kept) == [[3.0, 3.0, 3.0]] * 2
+    log = ranks._launch.logs(1)  # the call's error is in the rank's log too, with its traceback
+    assert "raised ---\nValueError: rank 1 never joins" in log and "raise ValueError" in log
 
 
 def sleeps_in_a_call(flag: str) -> None:
