@@ -97,3 +97,37 @@ def test_a_call_on_some_ranks_runs_there_only_and_refuses_collectives(ranks):
     for bad in ([2], [-1], [], "0", [0.5]):
         with pytest.raises(LaunchConfigError, match="0 to 1"):
             ranks.run(rank_and_value, ranks=bad)
+
+
+def make_ddp() -> None:
+    from nblaunch.training import Accelerator
+    from nblaunch.worker import calls
+
+    accelerator = Accelerator()
+    calls.namespace["ddp"] = accelerator.prepare(torch.nn.Linear(4, 1))
+
+
+def ddp_backward() -> float:
+    from nblaunch.worker import calls
+
+    loss = calls.namespace["ddp"](torch.ones(2, 4)).sum()
+    loss.backward()
+    return loss.item()
+
+
+def ddp_evaluates() -> float:
+    from nblaunch.worker import calls
+
+    with torch.no_grad():
+        return calls.namespace["ddp"](torch.ones(2, 4)).sum().item()
+
+
+def test_a_ddp_backward_on_one_rank_is_refused_and_evaluation_is_not(ranks):
+    ranks.run(make_ddp)
+    begin = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"DistributedDataParallel model's backward .* needs every rank"):
+        ranks.run(ddp_backward, ranks=[0])
+    assert time.monotonic() - begin < 5
+    assert len(ranks.run(ddp_evaluates, ranks=[1])) == 1
+    first, second = ranks.run(ddp_backward)  # every rank: trains as before
+    assert first == second

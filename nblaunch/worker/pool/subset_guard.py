@@ -3,7 +3,10 @@
 The ranks a call leaves out sit in their call loop: a collective the others start would wait for
 them for ever. While such a call runs, torch.distributed's collectives (as ``torch.distributed``
 and its ``distributed_c10d`` module offer them, which is where torch's, Accelerate's and
-nblaunch's own helpers find them) raise at once, saying what to do instead.
+nblaunch's own helpers find them) raise at once, saying what to do instead; so does the forward
+of a ``DistributedDataParallel`` model that would all-reduce its gradients in backward (from C++,
+where no Python function can stop it). Collectives that other C++ code starts (FSDP's) are not
+caught here: such a cell waits, the stall report names it, and the stop button releases it.
 
 Example::
 
@@ -38,6 +41,10 @@ def collectives_refused(only: tuple[int, ...] | None) -> Iterator[None]:
     saved = [(m, name, getattr(m, name)) for m in modules for name in _COLLECTIVES if hasattr(m, name)]
     for module, name, original in saved:
         setattr(module, name, _refused(name, original, only))
+    ddp = getattr(sys.modules.get("torch.nn.parallel"), "DistributedDataParallel", None)
+    if ddp is not None:  # its backward all-reduces from C++, past any Python function
+        saved.append((ddp, "forward", ddp.forward))
+        ddp.forward = _ddp_forward_refused(ddp.forward, only)
     try:
         yield
     finally:
@@ -45,15 +52,32 @@ def collectives_refused(only: tuple[int, ...] | None) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def _refused(name: str, original: Callable[..., Any], only: tuple[int, ...]) -> Callable[..., Any]:
-    which = ", ".join(map(str, only))
+def _ddp_forward_refused(forward: Callable[..., Any], only: tuple[int, ...]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
 
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            raise _refusal("a DistributedDataParallel model's backward (its gradient all-reduce)", only,
+                           "or run the model under torch.no_grad() (evaluation), or its .module, or inside "
+                           "`with model.no_sync():`")
+        return forward(self, *args, **kwargs)
+
+    return guarded
+
+
+def _refusal(what: str, only: tuple[int, ...], instead: str = "") -> RuntimeError:
+    which = ", ".join(map(str, only))
+    return RuntimeError(
+        f"{what} needs every rank of the pool, and this cell runs on rank{'s' if len(only) > 1 else ''} "
+        f"{which} only (--rank): the others would never join it. Run the cell without --rank/--ranks, "
+        f"{instead + ', ' if instead else ''}or guard it with `if dist.get_rank() in ({which},)` in a cell every "
+        "rank runs.")
+
+
+def _refused(name: str, original: Callable[..., Any], only: tuple[int, ...]) -> Callable[..., Any]:
     @functools.wraps(original)
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{name.lstrip('_')}() needs every rank of the pool, and this cell runs on rank{'s' if len(only) > 1 else ''} "
-            f"{which} only (--rank): the others would never join it. Run the cell without --rank/--ranks, "
-            f"or guard it with `if dist.get_rank() in ({which},)` in a cell every rank runs."
-        )
+        raise _refusal(f"{name.lstrip('_')}()", only)
 
     return refuse
