@@ -113,7 +113,8 @@ class LocalHome:
                 pipes=[end for w in workers for end in w.rank_pipe_ends()],
             )
             record.save()
-            supervisor = Supervisor(workers, emit, time_left, gpus, plan.request.stall_after)
+            supervisor = Supervisor(workers, emit, time_left, gpus, plan.request.stall_after,
+                                    first_rank=plan.node_rank * plan.num_processes)
             yield supervisor
         except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway

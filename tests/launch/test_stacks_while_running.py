@@ -157,3 +157,19 @@ def test_a_stack_keeps_the_users_frames_when_it_ends_in_nblaunch_code():
     assert bootstrap._users_code_starts(warm) == 2
     users_thread = frames("/usr/lib/python3.11/threading.py", "/home/me/train.py", os.path.join(worker, "channel.py"))
     assert bootstrap._users_code_starts(users_thread) == 0
+
+
+def test_a_nodes_stall_names_its_ranks_as_the_cell_does():
+    from nblaunch.launch.supervising.stall import StallReports
+
+    shown = []
+    reports = StallReports(0.01, shown.append, first_rank=2)  # node 1 of 2-rank nodes: ranks 2 and 3
+    time.sleep(0.02)
+    assert reports.due()
+    reports.asked([0, 1])
+    reports.report_when_answered({0: _stack(("/home/me/train.py", 5, "train", "time.sleep(100)")),
+                                  1: _stack(("/home/me/train.py", 6, "train", "time.sleep(100)"))})
+    (stalled,) = shown
+    assert "rank 2 is elsewhere" in stalled.verdict and "rank 3 is elsewhere" in stalled.verdict
+    reports.heard()
+    assert isinstance(shown[-1], StallCleared)

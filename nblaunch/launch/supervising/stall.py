@@ -66,9 +66,10 @@ class StallReports:
     """The supervisor's side of stalls: when to ask for the stacks, when to report what they say,
     when it is over. Runs on the supervisor's thread, as ``emit`` must."""
 
-    def __init__(self, after: float | None, emit: Callable[[Event], None]) -> None:
+    def __init__(self, after: float | None, emit: Callable[[Event], None], first_rank: int = 0) -> None:
         self._watch = StallWatch(after, time.monotonic())
         self._emit = emit
+        self._first_rank = first_rank  # this node's first global rank: the verdict names ranks as the cell does
         self._asked: tuple[float, list[int]] | None = None  # (report due by, ranks asked)
 
     def heard(self) -> None:
@@ -101,7 +102,7 @@ class StallReports:
         if time.monotonic() < due_by and not all(r in stacks for r in asked):
             return
         self._asked = None
-        answered = {r: stacks[r] for r in asked if r in stacks}
+        answered = {self._first_rank + r: stacks[r] for r in asked if r in stacks}
         silent = self._watch.silent_for(time.monotonic())
         self._watch.shown = True
         self._emit(Stalled(silent_s=silent, verdict=verdict(answered, silent) if answered else

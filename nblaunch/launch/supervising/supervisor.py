@@ -46,7 +46,7 @@ class Supervisor(StoppingRanks):
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
     def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
-                 gpus: GpuSampler | None = None, stall_after: float | None = None):
+                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0):
         self._emit = emit
         self._gpus = gpus  # each rank's GPU, sampled every SAMPLE_EVERY_S for its row
         self._next_sample = 0.0
@@ -62,7 +62,7 @@ class Supervisor(StoppingRanks):
         # moment earlier (here or on another node) was stopped, it did not fail.
         self._stopping_on_request = False
         self._stacks_why = "stop"  # what the next STACKS frames answer
-        self._stalls = StallReports(stall_after, emit)
+        self._stalls = StallReports(stall_after, emit, first_rank)
         self._call_sent = False  # a warm pool's call went out: the stall clock starts again
         # cancel() may come from any thread: it writes here to wake the select loop.
         self._wake_lock = threading.Lock()
