@@ -236,14 +236,14 @@ class WarmRanks:
                 return finish_call(call, settling, shown, time.monotonic() - started, only)
             finally:
                 shown.close()
-                if settling.group_to_reform:
+                if settling.released:  # each rank re-forms its group where it released it
                     self._reform_group(launch)
         finally:
             presses.restore()
             fdtable.close(packed.fds)  # the ranks hold their own copies of the descriptors
 
     def _pump(self, call: Any, settling: Settling, shown: Display, launch: Launch, deadline: float | None,
-              timeout: float | None, packed: Payload, presses: "Presses") -> None:
+              timeout: float | None, packed: Payload, presses: Presses) -> None:
         """Send the call, then show its events until every rank answered. A failure or an
         interrupt brings the ranks back to their call loop (``settling``); ranks that do not come
         back, and a timeout, end the pool."""

@@ -108,11 +108,6 @@ class Settling:
                     "SIGINT, or be stuck in C code or in a collective")
         return ""
 
-    @property
-    def group_to_reform(self) -> bool:
-        """The ranks released their group's connections: it must be re-formed before the next call."""
-        return self.released and not any(self._call.released.values())
-
     def _release(self) -> None:
         self.released = True
         self._climb("released", wire.RELEASE, b"")

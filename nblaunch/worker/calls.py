@@ -48,7 +48,7 @@ from nblaunch.worker.streams import flush_streams
 _inbox: queue.SimpleQueue = queue.SimpleQueue()
 namespace: dict[str, Any] = {"__name__": "__main__"}  # what ``%%distributed`` cells define, per rank
 _before_each_call: list[Callable[[], None]] = []
-_released: list[str] = []  # this call's group was released by the launcher: why, once
+_released: list[bool] = []  # the launcher released this call's group (a refused release is not one)
 
 
 def before_each_call(hook: Callable[[], None]) -> None:
@@ -71,7 +71,8 @@ def control(kind: bytes, body: bytes) -> None:
         cell_stop.interrupt(pickle.loads(body))
     elif kind == wire.RELEASE:
         why_not = group.release_group()
-        _released.append(why_not)
+        if not why_not:
+            _released.append(True)
         channel.send(wire.RELEASED, pickle.dumps(why_not))
 
 

@@ -37,7 +37,7 @@ from nblaunch.contract import variables as v
 
 _SPARE_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL")  # backend types a CPU group never uses itself
 _REFORM_TIMEOUT = datetime.timedelta(minutes=30)  # gloo's default for a collective
-_group: dict[str, Any] = {"sockets": [], "reformed": 0, "backend": None}
+_group: dict[str, Any] = {"sockets": [], "reformed": 0, "backend": None, "released": False}
 
 
 def form_pool_group() -> None:
@@ -71,11 +71,15 @@ def release_group() -> str:
                 connection.shutdown(socket.SHUT_RDWR)  # gloo keeps its descriptor; it now reads EOF
         except OSError:
             pass  # already closed by the peer's side
+    _group["released"] = True
     return ""
 
 
 def reform_group(generation: int) -> None:
-    """Every rank at once: a fresh gloo backend for the pool's group, in the same group object."""
+    """Every rank at once: a fresh gloo backend for the pool's group, in the same group object;
+    nothing where the group was not released (a refused release leaves it as it was)."""
+    if not _group["released"]:
+        return
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
@@ -89,8 +93,7 @@ def reform_group(generation: int) -> None:
     fresh = ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), _REFORM_TIMEOUT)
     kind = getattr(ProcessGroup.BackendType, _SPARE_TYPES[_group["reformed"]])
     group._register_backend(torch.device("cpu"), kind, fresh)  # CPU collectives now dispatch to it
-    _group["reformed"] += 1
-    _group["sockets"] = _new_connections(before)
+    _group.update(reformed=_group["reformed"] + 1, sockets=_new_connections(before), released=False)
 
 
 def _answered_by_the_pool(dist: Any, pool_backend: str) -> Callable[..., Any]:
