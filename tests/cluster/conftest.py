@@ -4,7 +4,9 @@ that a launch leaves nothing of itself in Ray."""
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 import types
 
 import pytest
@@ -16,7 +18,9 @@ ray = pytest.importorskip("ray", reason="the Ray lane needs Ray: pip install -e 
 def ray_cluster():
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # A dashboard port of its own: Ray's default (8265) is taken by any other cluster on the machine
+    # (another worker's, another run's), and without its dashboard a cluster has no state API.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "dashboard_port": _free_port()})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     # Pinned to this cluster and a namespace of its own: another Ray cluster on the machine (another
@@ -29,35 +33,46 @@ def ray_cluster():
         cluster.shutdown()
 
 
-def live_actors() -> list:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The state API is asked of the cluster by its address: left to itself it looks for "the" local
+# cluster, and refuses where several run.
+def live_actors(address: str) -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(limit=1000) if a.state != "DEAD"]
+    return [a for a in list_actors(address=address, limit=1000) if a.state != "DEAD"]
 
 
-def live_placement_groups() -> list:
+def live_placement_groups(address: str) -> list:
     from ray.util.state import list_placement_groups
 
-    return [g for g in list_placement_groups(limit=1000) if g.state != "REMOVED"]
+    return [g for g in list_placement_groups(address=address, limit=1000) if g.state != "REMOVED"]
 
 
 @pytest.fixture
 def nothing_left_in_ray(ray_cluster):
     """After the test: no live actor and no placement group (Ray's state API says)."""
     yield
-    assert live_actors() == [], "actors left behind"
-    assert live_placement_groups() == [], "placement groups left behind"
+    assert live_actors(ray_cluster.address) == [], "actors left behind"
+    assert live_placement_groups(ray_cluster.address) == [], "placement groups left behind"
 
 
-def agent_nodes() -> dict[int, str]:
+def agent_nodes(address: str) -> dict[int, str]:
     """{agent process id: its node's id}, for every agent Ray ever started."""
     from ray.util.state import list_actors
 
-    return {a.pid: a.node_id for a in list_actors(limit=1000, detail=True) if a.class_name == "NodeAgent"}
+    return {a.pid: a.node_id for a in list_actors(address=address, limit=1000, detail=True) if a.class_name == "NodeAgent"}
 
 
 @pytest.fixture
 def ray_state(ray_cluster):
     """What Ray's state API lists now: ``.actors()``, ``.placement_groups()`` (live ones) and
     ``.agent_nodes()``."""
-    return types.SimpleNamespace(actors=live_actors, placement_groups=live_placement_groups, agent_nodes=agent_nodes)
+    address = ray_cluster.address
+    return types.SimpleNamespace(actors=functools.partial(live_actors, address),
+                                 placement_groups=functools.partial(live_placement_groups, address),
+                                 agent_nodes=functools.partial(agent_nodes, address))
