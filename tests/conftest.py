@@ -11,6 +11,8 @@ import pytest
 
 from nblaunch.worker.lifeline import PROCESS_NAME_PREFIX
 
+pytest_plugins = ["lanes"]  # the default run and the lanes; -n spreads the suite by file
+
 
 def _step_an_optimizer_once() -> None:
     """torch's first optimizer step (its lazy import of torch._dynamo) sets

@@ -40,6 +40,7 @@ def test_one_epoch_trains_and_says_so():
     assert lines[-1] == "all 2 processes agree on the result"
 
 
+@pytest.mark.slow
 def test_one_process_is_a_launch_with_its_line_and_no_agreement_claim():
     done = run("demo", "--epochs", "1", "--num-processes", "1")
     assert done.returncode == 0, done.stderr
@@ -47,6 +48,7 @@ def test_one_process_is_a_launch_with_its_line_and_no_agreement_claim():
     assert "nblaunch: rank 0 done in " in done.stdout and "agree" not in done.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
     # A terminal's Ctrl-C reaches the whole foreground process group.
     process = subprocess.Popen([sys.executable, "-m", "nblaunch", "demo", "--epochs", "200"],

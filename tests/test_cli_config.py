@@ -137,6 +137,7 @@ def test_unknown_keys_are_named_in_one_warning_and_the_launch_goes_on(tmp_path):
     assert len(rank_lines(done.stdout)) == 2
 
 
+@pytest.mark.slow
 def test_what_nblaunch_does_not_do_is_refused_before_anything_starts(tmp_path):
     write(tmp_path, "report.py", REPORT)
     cases = {
@@ -168,6 +169,7 @@ def test_what_nblaunch_does_not_do_is_refused_before_anything_starts(tmp_path):
     assert done.returncode == 2 and "gpu_ids: 0 and CUDA_VISIBLE_DEVICES=1 disagree" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_deepspeed_config_reaches_every_ranks_accelerator(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:  # not imported here: DeepSpeed's import sets variables
         pytest.skip("DeepSpeed is not installed")
@@ -204,6 +206,7 @@ def test_gpu_ids_become_cuda_visible_devices_in_every_rank(tmp_path):
     assert rank_lines(done.stdout) == ["[rank 0] world 1 precision no fsdp False gpus '0'"]
 
 
+@pytest.mark.slow
 def test_the_default_file_under_hf_home_is_read_as_accelerate_launch_reads_it(tmp_path):
     write(tmp_path, "report.py", REPORT)
     default = write(tmp_path, "hf/accelerate/default_config.yaml", CPU_BF16)
@@ -217,6 +220,7 @@ def test_the_default_file_under_hf_home_is_read_as_accelerate_launch_reads_it(tm
     assert "config" not in done.stdout and rank_lines(done.stdout) == ["[rank 0] world 1 precision no fsdp False gpus ''"]
 
 
+@pytest.mark.slow
 def test_an_fsdp_config_shards_the_model_in_every_ranks_accelerator(tmp_path):
     write(tmp_path, "shards.py", SHARDS)
     config = write(tmp_path, "fsdp.yaml", FSDP)
@@ -231,6 +235,7 @@ def test_an_fsdp_config_shards_the_model_in_every_ranks_accelerator(tmp_path):
                                        for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_fsdp_settings_nblaunch_refuses_stop_the_command_before_any_rank_starts(tmp_path):
     write(tmp_path, "shards.py", SHARDS)
     config = write(tmp_path, "fsdp.yaml", FSDP + "      fsdp_activation_checkpointing_offload: true\n")
@@ -244,6 +249,7 @@ def test_fsdp_settings_nblaunch_refuses_stop_the_command_before_any_rank_starts(
     assert done.returncode == 2 and "--fsdp_auto_wrap_policy only applies to FSDP: add --use_fsdp" in done.stderr
 
 
+@pytest.mark.slow
 def test_configs_written_by_accelerate_itself_are_read_without_warnings(tmp_path):
     from accelerate.utils import write_basic_config
 

@@ -126,6 +126,7 @@ def test_sigint_stops_every_rank_with_exit_130_and_leaves_no_process(tmp_path):
     assert not alive
 
 
+@pytest.mark.slow
 def test_the_timeout_stops_every_rank_with_exit_124(tmp_path):
     script(tmp_path, "forever.py", WAITS_FOREVER)
     done = nblaunch("launch", "--num-processes", "2", "--timeout", "5", "forever.py", cwd=tmp_path)

@@ -43,7 +43,9 @@ def test_readme_has_the_two_commands():
     assert "python -m nblaunch demo" in shell_command_after("ci:main-command")
 
 
-@pytest.mark.parametrize("document", [d for d in DOCUMENTS if python_blocks(d)], ids=lambda d: d.name)
+# README's blocks run in the default run; the pages it sends users to, in the slow lane.
+@pytest.mark.parametrize("document", [pytest.param(d, id=d.name, marks=() if d == README else pytest.mark.slow)
+                                      for d in DOCUMENTS if python_blocks(d)])
 def test_every_python_block_of_the_documentation_runs(document, tmp_path):
     script = tmp_path / "blocks.py"
     # One script per document, blocks in order: later blocks may use what earlier ones defined.
@@ -84,7 +86,7 @@ def test_readmes_install_command_and_example_work_in_a_fresh_environment(tmp_pat
     assert "nblaunch: all 2 ranks done" in done.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.notebooks
 def test_the_readmes_notebook_cells_run_in_a_real_kernel(tmp_path):
     """The ``ipython`` blocks (cell magics) are notebook cells: run them in order in a kernel."""
     import nbformat

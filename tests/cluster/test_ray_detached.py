@@ -15,7 +15,7 @@ import pytest
 from nblaunch import LaunchCancelledError, attach, launches
 from nblaunch.events import Output
 
-pytestmark = pytest.mark.usefixtures("nothing_left_in_ray")
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("nothing_left_in_ray")]
 
 DRIVER = """
 import os, sys, ray

@@ -8,10 +8,13 @@ import time
 
 import nbformat
 import psutil
+import pytest
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
 from nbcells import everything_shown
+
+pytestmark = pytest.mark.ray
 
 
 def cells(address: str, pid_dir: str) -> list[str]:

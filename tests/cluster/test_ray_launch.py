@@ -15,7 +15,7 @@ import pytest
 from nblaunch import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError, RankFailedError, notebook_launcher
 from nblaunch.events import RankFinished, RankState, Stacks
 
-pytestmark = pytest.mark.usefixtures("nothing_left_in_ray")
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("nothing_left_in_ray")]
 
 RAY = dict(num_processes=2, num_nodes=2, cluster="ray")
 

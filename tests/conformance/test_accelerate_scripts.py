@@ -14,6 +14,8 @@ pytest.importorskip("accelerate")
 
 import accelerate_scripts  # noqa: E402  (pytest puts this folder on sys.path: it has no __init__.py)
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -164,6 +164,7 @@ def test_a_launch_outlives_its_kernel_and_another_kernel_attaches_and_collects_i
     _nothing_left(pids)
 
 
+@pytest.mark.slow
 def test_a_launch_that_ends_while_no_kernel_watches_is_shown_and_collected_later(state_dir):
     launch_id = _start_in_a_kernel_then_kill_it(
         state_dir, "notebook_launcher(train, args=(None,), num_processes=2, detach=True, display='text')")
@@ -179,6 +180,7 @@ def test_a_launch_that_ends_while_no_kernel_watches_is_shown_and_collected_later
     _nothing_left(_processes_of(state_dir, launch_id))
 
 
+@pytest.mark.slow
 def test_a_failure_while_detached_is_raised_on_attach_with_the_right_rank(state_dir):
     launch_id = _start_in_a_kernel_then_kill_it(
         state_dir, "notebook_launcher(train, args=(None, 1), num_processes=2, detach=True, display='text')")
@@ -194,6 +196,7 @@ def test_a_failure_while_detached_is_raised_on_attach_with_the_right_rank(state_
     _nothing_left(_processes_of(state_dir, launch_id))
 
 
+@pytest.mark.slow
 def test_cancel_from_another_kernel_stops_every_rank(state_dir, tmp_path):
     never = str(tmp_path / "never")
     launch_id = _start_in_a_kernel_then_kill_it(
@@ -242,6 +245,7 @@ def _quick():
     return int(os.environ["RANK"])
 
 
+@pytest.mark.slow
 def test_a_supervisor_that_dies_takes_its_ranks_and_attach_says_so(state_dir, tmp_path, monkeypatch):
     from nblaunch import LaunchLostError, notebook_launcher
 
@@ -268,6 +272,7 @@ def _hangs(go: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_detached_launch_keeps_every_promise_timeout_stacks_and_two_watchers(state_dir, tmp_path, monkeypatch):
     from nblaunch import LaunchTimeoutError, notebook_launcher
     from nblaunch.events import Stacks

@@ -23,6 +23,7 @@ def state_dir(tmp_path):
     stop_every_launch_in(folder)
 
 
+@pytest.mark.slow
 def test_warm_ranks_and_their_tensor_outlive_the_kernel(state_dir):
     first = Kernel(state_dir)
     try:

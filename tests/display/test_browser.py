@@ -17,7 +17,7 @@ ROOT = Path(__file__).parents[2]
 NOTEBOOK = ROOT / "notebooks" / "widget_demo.ipynb"
 ARTIFACTS = ROOT / "artifacts"
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = pytest.mark.browser
 
 # Conditions evaluated in the page; the dashboard's elements carry nbl-* classes and data-*.
 BAR_PART_WAY = """() => [...document.querySelectorAll('.nblaunch-dashboard .nbl-bar')].some(b => {

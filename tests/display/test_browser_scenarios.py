@@ -39,7 +39,7 @@ VIEWPORT = {"width": 1280, "height": 1100}
 MAX_HEIGHT = 8000  # the tallest window a cropped screenshot may ask for
 NEEDLES = ["bad batch shape", "nblaunch/", "Traceback", "rank 1 step 39"]  # counted in each record
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = pytest.mark.browser
 
 # Backstops, not synchronisation: every wait is on a condition in the page.
 CELL_S = 180  # one cell's run, a launch included (two cores, a test suite beside it)

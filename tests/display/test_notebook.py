@@ -55,7 +55,6 @@ def part(values: list[str], marker: str) -> str:
     return found
 
 
-@pytest.mark.slow
 def test_the_saved_widget_state_shows_the_whole_launch(executed):
     nb, _ = executed
     values = widget_values(nb)
@@ -79,7 +78,6 @@ def tab_titles(nb) -> list[str]:
     return [tab["_titles"][str(i)] for i in range(len(tab["_titles"]))]  # ipywidgets 7
 
 
-@pytest.mark.slow
 def test_the_dashboard_updated_while_the_launch_ran(executed):
     _, updates = executed
     ranks_updates = [u["value"] for u in updates if 'class="nbl-ranks"' in u.get("value", "")]
@@ -91,7 +89,6 @@ def test_the_dashboard_updated_while_the_launch_ran(executed):
     assert len(charts) >= 3 and sum(chart_points(charts[0], "loss").values()) < 80
 
 
-@pytest.mark.slow
 def test_the_finished_cell_keeps_one_view_the_static_summary(executed):
     nb, _ = executed
     outputs = nb.cells[-1].outputs

@@ -56,7 +56,7 @@ def check_real_ddp(results, mixed_precision="no"):
     torch.testing.assert_close(results[0]["weight"], results[1]["weight"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_accelerates_accelerator_trains_with_ddp_on_two_cpu_ranks(start_method):
     results = notebook_launcher(accelerate_loop, num_processes=2, start_method=start_method, display="none")
     check_real_ddp(results)

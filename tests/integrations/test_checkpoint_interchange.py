@@ -35,6 +35,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import DataLoader, TensorDataset
 
+pytestmark = pytest.mark.slow
+
 SAVE_AT, TOTAL = 3, 6  # 4 steps per epoch (16 samples, 2 ranks x 2): saved mid-epoch 0, ends in epoch 1
 
 

@@ -63,7 +63,6 @@ def train_tiny_bert(output_dir: str):
     }
 
 
-@pytest.mark.slow
 def test_trainer_with_default_arguments_runs_real_ddp_on_two_cpu_ranks(tmp_path):
     results = notebook_launcher(train_tiny_bert, args=(str(tmp_path),), num_processes=2, display="none")
     steps_alone = NUM_EXAMPLES // BATCH
@@ -77,7 +76,6 @@ def test_trainer_with_default_arguments_runs_real_ddp_on_two_cpu_ranks(tmp_path)
     torch.testing.assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
 
 
-@pytest.mark.slow
 def test_mixed_precision_given_to_the_launcher_reaches_trainer(tmp_path):
     results = notebook_launcher(train_tiny_bert, args=(str(tmp_path),), num_processes=2,
                                 mixed_precision="bf16", display="none")

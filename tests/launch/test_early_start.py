@@ -8,6 +8,7 @@ import json
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from nbcells import everything_shown
@@ -34,6 +35,7 @@ def tagged(cell, tag: str):
     return json.loads(re.search(rf"^{tag} (.*)$", everything_shown(cell), re.M).group(1))
 
 
+@pytest.mark.slow
 def test_a_notebook_on_a_gpu_machine_has_its_launch_server_warm_before_its_first_launch(tmp_path, monkeypatch):
     for name, value in stand_in_library(tmp_path, "libnvidia-ml.so.1", FAKE_NVML).items():
         monkeypatch.setenv(name, value)

@@ -28,6 +28,7 @@ def spawn(function, *args, **options):
     return notebook_launcher(function, args=args, num_processes=2, start_method="spawn", display="none", **options)
 
 
+@pytest.mark.slow
 def test_later_launches_reuse_the_server_and_see_this_processes_environment_and_folder_as_they_are_now(
         tmp_path, monkeypatch):
     monkeypatch.setenv("NBLAUNCH_TEST_TAG", "first")
@@ -46,6 +47,7 @@ def test_later_launches_reuse_the_server_and_see_this_processes_environment_and_
     assert [(tag, cwd) for *_, tag, cwd, _ in second] == [("second", str(tmp_path))] * 2
 
 
+@pytest.mark.slow
 def test_a_dead_server_is_replaced_by_the_next_launch():
     (_, server, *_), _ = spawn(where_am_i, "before")
     os.kill(server, signal.SIGKILL)

@@ -108,6 +108,7 @@ def phantom_module():
     del sys.modules[module.__name__]
 
 
+@pytest.mark.slow
 def test_a_spawned_rank_that_cannot_import_the_functions_module_says_so(phantom_module):
     with pytest.raises(RankFailedError) as info:
         notebook_launcher(phantom_module.train, num_processes=2, start_method="spawn", display="none")
@@ -138,6 +139,7 @@ def returns_its_argument(value):
     return value
 
 
+@pytest.mark.slow
 def test_a_spawned_rank_whose_argument_cannot_be_rebuilt_says_so():
     with pytest.raises(RankFailedError) as info:
         notebook_launcher(returns_its_argument, args=(RebuildsOnlyInTheNotebook(),), num_processes=2,

@@ -24,7 +24,7 @@ def report_rank(scale):
     return {"env": seen, "sum": total.item(), "scaled": dist.get_rank() * scale, "threads": torch.get_num_threads()}
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_every_rank_returns_its_result_in_rank_order(start_method, recorder):
     results = notebook_launcher(report_rank, args=(10,), num_processes=2, start_method=start_method, display=recorder)
 
@@ -106,6 +106,7 @@ def closure_factory(offset):
     return add
 
 
+@pytest.mark.slow
 def test_closures_work_under_spawn():
     assert notebook_launcher(closure_factory(100), args=(1,), num_processes=2, start_method="spawn", display="none") == [101, 102]
 
@@ -131,6 +132,7 @@ print("unchanged", dict(os.environ) == before, "ranks got it", all(seen) == writ
 """
 
 
+@pytest.mark.slow
 def test_what_the_launcher_imports_for_its_ranks_does_not_change_the_kernels_environment():
     import subprocess
     import sys

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from nblaunch import notebook_launcher
 from nblaunch.launch.starting import fdtable, packing
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfds")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfds")]
 
 
 def _mapped_from_a_memfd(address: int) -> bool:

@@ -79,6 +79,7 @@ def test_a_stalled_launch_shows_every_ranks_stack_by_itself_and_clears_it(record
     assert recorder.of(StallCleared)  # the ranks came back
 
 
+@pytest.mark.slow
 def test_a_busy_loop_is_progress_not_a_stall(recorder):
     notebook_launcher(spins, args=(5.0,), num_processes=2, display=recorder, stall_after=2.0)
     assert not recorder.of(Stalled), [e.verdict for e in recorder.of(Stalled)]

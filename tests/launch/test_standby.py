@@ -9,6 +9,8 @@ import pytest
 
 from warm_start_helpers import Installed, run
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def installed():

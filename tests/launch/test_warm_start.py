@@ -10,7 +10,7 @@ import pytest
 
 from warm_start_helpers import Installed, run
 
-METHODS = [None, "spawn"]  # fork from this process; the launch server
+METHODS = [None, pytest.param("spawn", marks=pytest.mark.slow)]  # fork from this process; the launch server
 
 
 @pytest.fixture
@@ -74,6 +74,7 @@ ANEW = """
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.slow
 def test_a_library_installed_anew_between_launches_is_the_new_one_in_the_ranks(method, installed, tmp_path):
     package = installed.package("VERSION = 1\n")
     reinstall = (f"import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
@@ -105,6 +106,7 @@ ENVIRONMENT = """
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.slow
 def test_a_library_that_reads_a_variable_at_import_sees_it_as_it_is_when_the_launch_starts(
         method, installed, tmp_path):
     package = installed.package("import os\nVALUE = os.environ.get('NBL_WARM_VALUE')\n")
@@ -138,6 +140,7 @@ MISBEHAVING = {
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("how", sorted(MISBEHAVING))
+@pytest.mark.slow
 def test_a_library_that_cannot_be_loaded_ahead_costs_the_next_launch_its_own_import_and_one_line(
         how, method, installed, tmp_path):
     package = installed.package(MISBEHAVING[how])
@@ -172,6 +175,7 @@ HANGS = """
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.slow
 def test_a_library_whose_import_hangs_where_it_is_loaded_ahead_is_given_up(method, installed, tmp_path):
     package = installed.package("import os, time\nif 'RANK' not in os.environ: time.sleep(3600)\nVALUE = 1\n")
     [said], stderr = run(HANGS, setup=f"PACKAGE, METHOD = {package!r}, {method!r}", cwd=str(tmp_path))
@@ -200,6 +204,7 @@ GONE = """
 """
 
 
+@pytest.mark.slow
 def test_a_library_removed_from_disk_between_launches_is_gone_from_the_next_ranks(installed, tmp_path):
     package = installed.package("VALUE = 1\n")
     remove = (f"import shutil\ndef remove(): shutil.rmtree({installed.site!r} + '/' + {package!r})\n")
@@ -222,6 +227,7 @@ COLLIDING = """
 """
 
 
+@pytest.mark.slow
 def test_a_cell_that_imports_what_the_kernel_imports_ahead_gets_it_whole(installed, tmp_path):
     package = installed.package("import os, time\nif 'RANK' not in os.environ: time.sleep(2)\n"
                                 "from . import sub\nVALUE = sub.VALUE\n")
@@ -242,6 +248,7 @@ LOUD = """
 """
 
 
+@pytest.mark.slow
 def test_what_a_library_writes_as_the_kernel_imports_it_ahead_is_kept_from_the_cells(installed, tmp_path):
     # As tqdm.autonotebook does: a warning at import (here, only where no rank's RANK is set).
     package = installed.package("import os, sys, warnings\nif 'RANK' not in os.environ:\n"

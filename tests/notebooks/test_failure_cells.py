@@ -54,7 +54,7 @@ def failed_later(tmp_path_factory):
     return cells[2]
 
 
-@pytest.mark.parametrize("which", ["failed", "failed_later"])
+@pytest.mark.parametrize("which", ["failed", pytest.param("failed_later", marks=pytest.mark.notebooks)])
 def test_the_users_traceback_appears_once_and_no_nblaunch_code(request, which):
     shown = everything_shown(request.getfixturevalue(which))
     # The user's frames, once each: the raise in check, the call in train.
@@ -70,7 +70,7 @@ def test_the_headline_names_the_rank_the_exception_and_the_cell_line(failed):
     assert error.evalue.splitlines()[0] == "rank 1 failed: ValueError: bad value 3 (Cell In[1], line 7, in check)"
 
 
-@pytest.mark.parametrize("which", ["failed", "failed_later"])
+@pytest.mark.parametrize("which", ["failed", pytest.param("failed_later", marks=pytest.mark.notebooks)])
 def test_one_chain_the_ranks_frames_then_the_headline(request, which):
     (error,) = [o for o in request.getfixturevalue(which).outputs if o.output_type == "error"]
     shown = "\n".join(re.sub(r"\x1b\[[0-9;]*m", "", part) for part in error.traceback)
@@ -96,6 +96,7 @@ def wait_in_collectives():
 '''
 
 
+@pytest.mark.notebooks
 @pytest.mark.parametrize("display", ["text", "widget"])
 def test_a_timeout_while_ranks_wait_in_collectives_shows_every_ranks_stack(tmp_path, display):
     cells = run_cells(tmp_path, WAIT_IN_COLLECTIVES,

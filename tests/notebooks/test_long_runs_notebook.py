@@ -18,6 +18,8 @@ from nbclient import NotebookClient
 
 from nbcells import everything_shown
 
+pytestmark = pytest.mark.notebooks
+
 
 def cell(nb, text: str):
     (found,) = [c for c in nb.cells if c.cell_type == "code" and text in c.source]

@@ -142,7 +142,9 @@ def executed(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("name", list(BUDGETS))
+# The quickstart runs in the default run; the others in the notebooks lane (tests/lanes.py).
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "01_quickstart.ipynb" else pytest.mark.notebooks)
+                                  for name in BUDGETS])
 def test_the_notebook_runs_top_to_bottom_with_no_error_but_its_tagged_ones(executed, name):
     notebook = executed(name)
     no_errors_except_tagged(notebook)
@@ -205,6 +207,7 @@ def test_the_accelerate_cell_moves_over_by_changing_its_import_only():
     assert "notebook_launcher(training_function, args, num_processes=num_processes)" in original  # the original call
 
 
+@pytest.mark.notebooks
 def test_the_moved_cell_trains_on_two_ranks_that_agree(from_accelerate):
     launch = cell(from_accelerate, "from nblaunch import Accelerator, notebook_launcher")
     assert one_view(launch)
@@ -221,6 +224,7 @@ def went_wrong(executed):
     return executed("03_when_things_go_wrong.ipynb")
 
 
+@pytest.mark.notebooks
 def test_a_rank_that_raises_is_named_with_its_exception_and_traceback(went_wrong):
     failing = cell(went_wrong, "def train_with_a_bad_batch")
     shown = error(failing)
@@ -243,6 +247,7 @@ def test_a_rank_that_raises_is_named_with_its_exception_and_traceback(went_wrong
         r"ranks that failed, in order: \[1(, 0)?\]\n", caught), caught
 
 
+@pytest.mark.notebooks
 def test_a_hang_in_a_collective_ends_at_the_timeout_with_every_ranks_stack(went_wrong):
     hanging = cell(went_wrong, "notebook_launcher(train_with_a_hang")
     shown = error(hanging)
@@ -254,6 +259,7 @@ def test_a_hang_in_a_collective_ends_at_the_timeout_with_every_ranks_stack(went_
     assert "rank 0:" in shown.evalue and "dist.all_reduce(torch.ones(1))" in shown.evalue  # also in the exception
 
 
+@pytest.mark.notebooks
 def test_an_interrupt_shows_every_ranks_stack_then_raises_keyboard_interrupt(went_wrong):
     interrupted = cell(went_wrong, "notebook_launcher(blocked, num_processes=num_processes, cpu=cpu)")
     assert error(interrupted).ename == "LaunchInterrupted"  # a KeyboardInterrupt
@@ -266,12 +272,14 @@ def test_an_interrupt_shows_every_ranks_stack_then_raises_keyboard_interrupt(wen
     assert rank_states(done) == {0: "stopped", 1: "stopped"}
 
 
+@pytest.mark.notebooks
 def test_the_next_launch_in_the_same_kernel_just_works(went_wrong):
     relaunch = cell(went_wrong, "def all_reduce_check")
     assert relaunch.outputs[-1]["data"]["text/plain"] == "[3.0, 3.0]"
     assert rank_states(summary(relaunch)) == {0: "done", 1: "done"}
 
 
+@pytest.mark.notebooks
 def test_what_an_earlier_kernels_ranks_left_is_stopped_by_the_next_launch(went_wrong):
     started = cell(went_wrong, "start_new_kernel")
     earlier = stream(started)
@@ -415,6 +423,7 @@ def interactive(executed):
     return executed("05_interactive.ipynb")
 
 
+@pytest.mark.notebooks
 def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive):
     result = stream(cell(interactive, "accuracies = _"))
     accuracy = float(result.split("test accuracy ")[1].split("%")[0]) / 100
@@ -425,6 +434,7 @@ def test_the_interactive_notebook_trains_step_by_step_on_warm_ranks(interactive)
     assert "epoch 3: loss" in later and "epoch 4: loss" in later
 
 
+@pytest.mark.notebooks
 def test_the_interactive_notebook_keeps_the_state_through_an_error_and_a_released_collective(interactive):
     typo = error(cell(interactive, "a name no cell defined"))
     assert typo.ename == "RankFailedError" and "name 'learning_rate' is not defined" in typo.evalue
@@ -455,6 +465,7 @@ def fsdp(executed):
     return executed("06_fsdp.ipynb")
 
 
+@pytest.mark.notebooks
 def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
     held = re.findall(r"rank (\d) holds [\d.]+ MiB: (\d+)% of parameters", stream(cell(fsdp, "whole = 3 *")))
     assert [rank for rank, _ in held] == ["0", "1"]
@@ -468,6 +479,7 @@ def test_the_fsdp_notebook_shards_trains_and_resumes(fsdp):
 # --------------------------------------------------------------------------- 09 bigger models
 
 
+@pytest.mark.notebooks
 def test_the_four_stacks_train_the_same_model_alike_and_three_hold_about_half(executed):
     notebook = executed("09_bigger_models.ipynb")
     shares = dict(re.findall(r"^(\S+) +DistributedType\.\w+ +rank 0 [\d.]+ MiB \((\d+)%\)",
@@ -488,6 +500,7 @@ def with_lightning(executed):
     return executed("08_lightning.ipynb")
 
 
+@pytest.mark.notebooks
 def test_a_trainer_made_in_a_kernels_launch_trains_ddp_and_the_cell_shows_its_bar_and_self_log(with_lightning):
     launch = cell(with_lightning, "results = notebook_launcher(train_with_trainer")
     assert one_view(launch)
@@ -505,6 +518,7 @@ def test_a_trainer_made_in_a_kernels_launch_trains_ddp_and_the_cell_shows_its_ba
     assert "replicas equal: True" in printed
 
 
+@pytest.mark.notebooks
 def test_fabric_in_a_kernels_launch_shards_the_data_and_its_logs_and_tqdm_bars_reach_the_cell(with_lightning):
     launch = cell(with_lightning, "fabric_results = notebook_launcher(train_with_fabric")
     assert one_view(launch)

@@ -10,7 +10,7 @@ import sys
 import pytest
 from local_cluster import wait_for
 
-pytestmark = pytest.mark.usefixtures("nothing_left_in_slurm")
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("nothing_left_in_slurm")]
 
 
 def test_its_own_cluster_never_the_system_one(slurm):

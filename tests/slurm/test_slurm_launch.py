@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.usefixtures("nothing_left_in_slurm")
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("nothing_left_in_slurm")]
 
 
 def run_program(slurm, tmp_path: Path, body: str, salloc: list[str] | None = None, timeout: float = 240):

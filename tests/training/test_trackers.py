@@ -86,6 +86,7 @@ def _wandb_records(root: str) -> tuple[dict, list[dict]]:
     return config, history
 
 
+@pytest.mark.slow
 def test_every_built_in_tracker_gets_the_main_process_metrics(tmp_path, recorder):
     # Not imported here: trackio reads TRACKIO_DIR when imported, and the ranks are forked from this process.
     missing = [name for name in ("tensorboard", "wandb", "mlflow", "trackio") if importlib.util.find_spec(name) is None]

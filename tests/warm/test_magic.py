@@ -14,8 +14,6 @@ from nbclient import NotebookClient
 from nbcells import everything_shown
 from nblaunch.warm.magic import assigned_names, used_names
 
-pytestmark = pytest.mark.slow
-
 CELLS = [
     "%load_ext nblaunch",
     # 1: starts the pool; the last expression comes back per rank

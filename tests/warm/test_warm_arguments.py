@@ -27,7 +27,7 @@ def edit_in_place(tensor, view, array):
     return float(tensor.sum()), float(view[0]), float(array.sum()), view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_a_big_argument_reaches_every_rank_as_its_own_copy(start_method):
     tensor = torch.zeros(1 << 20)  # 4 MiB: above the size that goes by memfd
     array = np.zeros(1 << 19)

@@ -51,6 +51,7 @@ def assert_the_stall_names_rank_1_and_its_line(recorder, began: float) -> None:
     assert recorder.of(StallCleared), "the stall was not cleared when rank 1 came back"
 
 
+@pytest.mark.slow
 def test_a_stall_in_a_warm_call_names_the_rank_that_holds_the_others_up_and_stops_nothing(ranks, recorder):
     ranks.run(time.time)  # the pool is up
     began = time.monotonic()
@@ -60,6 +61,7 @@ def test_a_stall_in_a_warm_call_names_the_rank_that_holds_the_others_up_and_stop
     assert_the_stall_names_rank_1_and_its_line(recorder, began)
 
 
+@pytest.mark.slow
 def test_a_stall_in_a_launch_is_named_too(recorder):
     began = time.monotonic()
     results = notebook_launcher(in_a_group(rank_1_sleeps_while_rank_0_reduces), num_processes=2, cpu=True,
