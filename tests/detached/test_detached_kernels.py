@@ -273,16 +273,15 @@ def _hangs(go: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_detached_launch_keeps_every_promise_timeout_stacks_and_two_watchers(state_dir, tmp_path, monkeypatch):
+def test_a_detached_launch_keeps_every_promise_timeout_stacks_and_two_watchers(state_dir, tmp_path, monkeypatch,
+                                                                              recorder):
     from nblaunch import LaunchTimeoutError, notebook_launcher
     from nblaunch.events import Stacks
-
-    from conftest import Recorder
 
     monkeypatch.setenv("NBLAUNCH_STATE_DIR", state_dir)
     launch = notebook_launcher(_hangs, args=(str(tmp_path / "never"),), num_processes=2, detach=True,
                                display="none", timeout=30)
-    first, second = Recorder(), Recorder()
+    first, second = recorder, type(recorder)()  # the fixture's class: "import conftest" finds whichever ran last
     attach(launch.launch_id, display=first)
     watcher = attach(launch.launch_id, display=second)  # two kernels (here: two watchers) at once
     _wait_for(lambda: sum("hanging" in " ".join(e.lines) for e in first.of(Output)) == 2, "both ranks to print")
