@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import psutil
@@ -34,6 +36,32 @@ _step_an_optimizer_once()
 # comes. A kernel always handles SIGINT; so does the test process.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def a_temporary_folder_of_its_own(tmp_path_factory):
+    """nblaunch records its launches under the temporary folder, where any launch on the machine
+    stops the ranks a dead launcher left and says so. Each test process (each -n worker) gets a
+    folder of its own for the session: another worker's or another run's launch never stops what a
+    test left on purpose, nor says so in that test's output. pytest's own folders stay where they
+    were (asked for first), and so does Ray's (RAY_TMPDIR: the clusters are pinned by address, and
+    the Ray lane's other cluster must be found where a user's would be)."""
+    tmp_path_factory.getbasetemp()
+    system = tempfile.gettempdir()
+    folder = tempfile.mkdtemp(prefix="nbl-", dir=system)  # short: sockets are made under it
+    os.chmod(folder, 0o755)  # munged wants every folder above its socket searchable by all
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "RAY_TMPDIR")}
+    os.environ["TMPDIR"] = folder
+    os.environ.setdefault("RAY_TMPDIR", system)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def leftover_ranks(since: float) -> list[psutil.Process]:

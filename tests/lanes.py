@@ -7,7 +7,7 @@ lane, which CI runs after the default (``.ci/run``; CONTRIBUTING.md lists each l
 its time). Naming a path or a ``-m`` expression selects as pytest always does::
 
     pytest -n auto              # the default run, on as many workers as there are cores (4 at most)
-    pytest -m slow -n 2         # one lane
+    pytest -m slow -n auto      # one lane
     pytest tests/warm           # everything in the folder, lanes included
     pytest -m "slow or not slow"    # everything
 
@@ -18,9 +18,11 @@ given): a module's kernels, clusters, pools and executed notebooks are made once
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-# Each lane: why a test belongs there. Registered as markers in pyproject.toml.
+# Each lane: why a test belongs there (registered as a marker by pytest_configure below).
 LANES = {
     "slow": "takes long (over ~4 s here) and is not its part's one test in the default run",
     "notebooks": "executes a notebook or a doc in a real kernel (01_quickstart stays in the default run)",
@@ -84,8 +86,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: a worker per core, MOST_WORKERS at most."""
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: a worker per core, MOST_WORKERS at most (PYTEST_XDIST_AUTO_NUM_WORKERS, where
+    set, is xdist's to read)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
     import psutil
 
     return max(1, min(MOST_WORKERS, psutil.cpu_count(logical=False) or 1))
