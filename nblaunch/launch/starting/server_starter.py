@@ -56,14 +56,26 @@ class ServerStarter(Starter):
         if self._alone is None:
             self._alone = launches().began(plan)
         waiting = server.claim_standby(self._shape)
-        sources: list[ServerLink] = []
+        sources: list[ServerLink] = []  # where this attempt's ranks are forked: one, or a second if the first was dead
+        forked_from_it: list[int] = []  # the ranks forked from sources[-1]
 
         def start_one(settings: WorkerSettings) -> WorkerProcess:
             worker = waiting.pop(settings.rank, None)
             if worker is None:
                 if not sources:
-                    sources.append(server.source_for(here))
-                worker = _fork_there(sources[0], settings, here, cwd)
+                    sources.append(self._server.source_for(here))
+                try:
+                    worker = _fork_there(sources[-1], settings, here, cwd)
+                except RuntimeError:
+                    # A process of the server that died since the last launch (killed, out of
+                    # memory) can be chosen before its reader has heard: ask again, once, while
+                    # no rank of this attempt came from it. Ranks that did died with it.
+                    if sources[-1].alive or len(sources) > 1 or forked_from_it:
+                        raise
+                    self._server = launch_server()  # a new one if the base was what died
+                    sources.append(self._server.source_for(here))
+                    worker = _fork_there(sources[-1], settings, here, cwd)
+                forked_from_it.append(settings.rank)
             send_payload(worker.ranks[0], settings, payload, memfds_on_the_socket=True)
             return worker
 
