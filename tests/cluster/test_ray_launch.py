@@ -179,6 +179,7 @@ def test_a_timeout_stops_every_node_with_every_ranks_stack(recorder):
         notebook_launcher(wait_forever, display=recorder, timeout=8, **RAY)
 
     assert sorted(caught.value.stacks) == [0, 1, 2, 3]
+    assert all("in wait_forever" in text for text in caught.value.stacks.values()), caught.value.stacks
     assert "timeout=8" in str(caught.value)
     assert {e.state for e in recorder.of(RankFinished)} == {RankState.STOPPED}
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import nblaunch
 from nblaunch import LaunchTimeoutError, RankFailedError, RemoteError, notebook_launcher
-from nblaunch.events import RankFinished, RankState, Stacks
+from nblaunch.events import Output, RankFinished, RankState, Stacks
 from nblaunch.contract.failure import RemoteTraceback
 
 
@@ -126,6 +126,26 @@ def test_timeout_shows_where_every_rank_was_and_stops_them(recorder):
     assert "time.sleep(600)" in stacks[1]
     assert {e.rank for e in recorder.of(Stacks)} == {0, 1}
     assert [e.state for e in recorder.of(RankFinished)] == [RankState.STOPPED] * 2
+
+
+def rank_one_holds_pythons_lock_in_c():
+    import re
+
+    if int(os.environ["RANK"]) == 1:
+        re.match(r"(a+)+$", "a" * 40 + "b")  # backtracks for hours, never letting another thread run
+    time.sleep(600)
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_say_where_it_is_is_listed_and_faulthandler_shows_its_frames(recorder):
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(rank_one_holds_pythons_lock_in_c, num_processes=2, timeout=2, display=recorder)
+    assert "time.sleep(600)" in info.value.stacks[0]
+    assert info.value.stacks[1].startswith("(it did not answer within 2 s")
+    assert "rank 1: (no stack)" in str(info.value)
+    dumped = [line for e in recorder.of(Output) if e.rank == 1 and e.stream == "stderr" for line in e.lines]
+    assert any("most recent call first" in line for line in dumped), dumped
+    assert any("in rank_one_holds_pythons_lock_in_c" in line for line in dumped), dumped
 
 
 def returns_a_generator():

@@ -16,9 +16,13 @@ import signal
 import time
 from typing import Any, Callable
 
+from nblaunch.events import Event, Stacks
+
 _FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (GIL held in C)
 _FULL_REPORT_S = 1.0  # a failed rank sends its traceback and exits within milliseconds of its first report
 _REAP_BACKSTOP_S = 10.0
+_SILENT = ("(it did not answer within {budget:g} s: busy in C holding Python's lock, or starved of CPU; "
+           "faulthandler's dump of its threads, where it could write one, is in its stderr above)")
 
 
 class StoppingRanks:
@@ -27,6 +31,7 @@ class StoppingRanks:
     _live: Callable[[], list[Any]]
     _live_processes: Callable[[], list[Any]]
     _pump: Callable[[float | None], None]
+    _emit: Callable[[Event], None]
 
     def _stop(self, stack_budget: float, *, fallback: bool) -> None:
         """Collect the live ranks' stacks within ``stack_budget`` seconds, then kill them all."""
@@ -45,6 +50,10 @@ class StoppingRanks:
                 except ProcessLookupError:
                     pass
             self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
+            for rank in silent:  # said, not left out: the cell and the error list every rank asked
+                if rank.number not in self._stacks:
+                    self._stacks[rank.number] = _SILENT.format(budget=stack_budget)
+                    self._emit(Stacks(rank=rank.number, text=self._stacks[rank.number], why=self._stacks_why))
         # A failed rank gets a moment to send its traceback and leave by itself (stopping what it
         # started, flushing C's buffers: often the best clue); the others stop now.
         waiting = [r for r in self._live() if r.failure is not None]
