@@ -79,6 +79,28 @@ def test_a_module_runs_like_python_dash_m(tmp_path):
     assert "[rank 1] hello from rank 1 of 2, argv=['--epochs', '1'], as __main__" in done.stdout
 
 
+@pytest.mark.parametrize("rank_0_failed, said", [
+    (None, "rank 1 failed;"),
+    ("collateral", "rank 1 failed;"),  # whether a peer's lost connection arrives is a race: not a rival
+    ("of its own", "rank 1 failed first;"),
+])
+def test_the_terminal_says_first_only_where_another_rank_failed_on_its_own(capsys, rank_0_failed, said):
+    from nblaunch import RankFailedError
+    from nblaunch.cli.outcome import outcome_in_terminal
+    from nblaunch.contract.failure import RankFailure
+
+    failures = [RankFailure(1, "ValueError: rank 1 cannot go on", traceback="Traceback: ...")]
+    if rank_0_failed:
+        failures.append(RankFailure(0, "DistBackendError: connection closed by peer",
+                                    collateral=rank_0_failed == "collateral"))
+
+    def results():
+        raise RankFailedError.blaming(failures, {}, [1, 0], [])
+
+    assert outcome_in_terminal("launch", results) == (None, 1)
+    assert f"nblaunch launch: {said} its traceback:" in capsys.readouterr().err
+
+
 def test_a_script_raising_on_rank_1_exits_1_naming_rank_1_and_the_scripts_line(tmp_path):
     script(tmp_path, "train.py", RAISES_ON_RANK_1)
     done = nblaunch("launch", "--num-processes", "2", "train.py", cwd=tmp_path)

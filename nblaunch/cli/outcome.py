@@ -41,7 +41,9 @@ def outcome_in_terminal(command: str, results: Callable[[], list]) -> tuple[list
         return None, TIMED_OUT
     except RankFailedError as error:
         failure = error.root_cause
-        first = " first" if len(error.failures) > 1 else ""
+        # "first" where another rank failed on its own; a peer's lost connection is no rival (and
+        # whether it arrived before that peer was stopped is a matter of milliseconds).
+        first = " first" if any(not f.collateral for f in error.failures[1:]) else ""
         print(f"\nnblaunch {command}: rank {failure.rank} failed{first}; its traceback:\n"
               f"{(failure.traceback or failure.reason).rstrip()}", file=sys.stderr)
         return None, FAILED
