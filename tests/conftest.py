@@ -65,17 +65,29 @@ def a_temporary_folder_of_its_own(tmp_path_factory):
 
 
 def leftover_ranks(since: float) -> list[psutil.Process]:
-    """Live rank processes that are ours: our descendants, or orphans born since ``since``."""
+    """Live rank processes that are ours: our descendants, or orphans born since ``since`` of a
+    process this test process started (another run's orphans on the machine are not ours)."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
     found = []
     for proc in psutil.process_iter(["name", "ppid", "create_time", "status"]):
         info = proc.info
         if not (info["name"] or "").startswith(PROCESS_NAME_PREFIX) or info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        orphan = info["ppid"] in (0, 1) and info["create_time"] >= since - 1
+        orphan = info["ppid"] in (0, 1) and info["create_time"] >= since - 1 and _started_here(proc)
         if proc.pid in mine or orphan:
             found.append(proc)
     return found
+
+
+def _started_here(proc: psutil.Process) -> bool:
+    """Whether ``proc`` descends from a program this test process started: what a program was
+    started with is in /proc/PID/environ, and TMPDIR is this test process's own folder."""
+    try:
+        return proc.environ().get("TMPDIR") == os.environ.get("TMPDIR")
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # cannot tell: counted, as before
 
 
 @pytest.fixture(autouse=True)

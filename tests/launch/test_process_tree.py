@@ -94,7 +94,8 @@ def test_a_helper_that_never_stops_writing_does_not_hold_the_launch(tmp_path):
                           timeout=120, display="none")
     assert info.value.root_cause.signal_name == "SIGKILL"
     assert time.monotonic() - started < 60
-    spammers = [p for p in psutil.process_iter(["cmdline"]) if SPAMMER in (p.info["cmdline"] or [])]
+    flag = str(tmp_path / "started")  # this test's helper (another run's has a folder of its own)
+    spammers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == [SPAMMER, flag]]
     _, alive = psutil.wait_procs(spammers, timeout=10)
     assert not alive
 
