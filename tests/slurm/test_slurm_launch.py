@@ -328,18 +328,19 @@ def test_a_detached_launch_outlives_its_kernel_as_a_job_and_another_kernel_colle
 import os
 os.environ["NBLAUNCH_STATE_DIR"] = %r
 
-def slow_world():
+def slow_world(kernel_pid):
     import os, time
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
     print("rank", os.environ["RANK"], "says so in its log", flush=True)
-    time.sleep(3)  # the kernel that started it is gone by now
+    while os.path.exists(f"/proc/{kernel_pid}"):  # the test's nodes share this machine
+        time.sleep(0.05)  # finished only once the kernel that started it is gone
     total = torch.ones(1)
     dist.all_reduce(total)
     return os.environ["RANK"], int(total), os.environ["SLURMD_NODENAME"]
 
-launch = notebook_launcher(slow_world, cluster="slurm", num_nodes=2, num_processes=2, resources={"time": "10"},
-                           detach=True, display="none")
+launch = notebook_launcher(slow_world, args=(os.getpid(),), cluster="slurm", num_nodes=2, num_processes=2,
+                           resources={"time": "10"}, detach=True, display="none")
 result = launch.launch_id
 print("RESULT " + json.dumps(result), flush=True)
 os.kill(os.getpid(), 9)  # the kernel is killed: the launch is a job of its own
@@ -418,7 +419,7 @@ def test_a_timeout_or_a_cancel_while_the_job_waits_in_the_queue_ends_the_wait_an
                          "--wrap", "sleep 300"]).stdout.strip()
     try:
         result, shown = run_program(slurm, tmp_path, """
-import time
+import subprocess, time
 from nblaunch import LaunchCancelledError, LaunchTimeoutError
 
 started = time.monotonic()
@@ -429,7 +430,9 @@ except LaunchTimeoutError as error:
     timed_out = round(time.monotonic() - started, 1)
 
 launch = notebook_launcher(print, cluster="slurm", num_processes=1, block=False, display="none")
-time.sleep(2)  # the job is in the queue by now
+while "nblaunch-" not in subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%j"], capture_output=True,
+                                        text=True).stdout:
+    time.sleep(0.05)  # until the job waits in the queue
 asked = time.monotonic()
 launch.cancel()
 try:
