@@ -52,8 +52,7 @@ class StoppingRanks:
             self._pump_until(lambda: False, _FAULTHANDLER_GRACE_S)
             for rank in silent:  # said, not left out: the cell and the error list every rank asked
                 if rank.number not in self._stacks:
-                    self._stacks[rank.number] = _SILENT.format(budget=stack_budget)
-                    self._emit(Stacks(rank=rank.number, text=self._stacks[rank.number], why=self._stacks_why))
+                    self._keep_stacks(rank.number, _SILENT.format(budget=stack_budget))
         # A failed rank gets a moment to send its traceback and leave by itself (stopping what it
         # started, flushing C's buffers: often the best clue); the others stop now.
         waiting = [r for r in self._live() if r.failure is not None]
@@ -63,6 +62,11 @@ class StoppingRanks:
         self._pump_until(lambda: all(r.finished for r in waiting), _FULL_REPORT_S)
         for process in self._live_processes():
             process.kill()
+
+    def _keep_stacks(self, rank: int, text: str) -> None:
+        """Where ``rank`` is (its answer, or why there is none): kept for the error, shown in the cell."""
+        self._stacks[rank] = text
+        self._emit(Stacks(rank=rank, text=text, why=self._stacks_why))
 
     def _pump_until(self, done: Callable[[], bool], budget: float) -> None:
         end = time.monotonic() + budget

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.events import Event, Metrics, Output, Progress, RankDevice, RankFinished, RankStarted, RankState, Stacks
+from nblaunch.events import Event, Metrics, Output, Progress, RankDevice, RankFinished, RankStarted, RankState
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
@@ -294,8 +294,7 @@ class Supervisor(StoppingRanks):
             self._emit(Progress(rank=r, bar_id=bar_id, n=n, total=total, desc=desc, closed=closed, auto=auto))
             self._stalls.heard()
         elif kind == wire.STACKS:
-            self._stacks[r] = body.decode("utf-8", "replace")
-            self._emit(Stacks(rank=r, text=self._stacks[r], why=self._stacks_why))
+            self._keep_stacks(r, body.decode("utf-8", "replace"))
         elif kind in call_frames.KINDS:
             if kind in call_frames.ANSWERS:
                 # The rank flushed its output before sending this: the call's last lines come first.
