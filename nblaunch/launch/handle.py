@@ -200,7 +200,7 @@ class Launch:
 
     def _run_quietly(self) -> None:
         try:
-            self.run()
+            self._run()
         except BaseException:
             pass  # kept in the future; result() raises it
 
@@ -219,7 +219,14 @@ class Launch:
 
     def run(self) -> list[Any]:
         """Run the launch to its end here and return each rank's result, or raise what it
-        raised. Call it, or ``start``, once."""
+        raised; the caller then waits until the next launch's ranks will begin with what these
+        imported (``RanksHome.ready_next``: a loop of launches re-runs warm). Call it, or
+        ``start``, once."""
+        results = self._run()
+        self._home.ready_next()
+        return results
+
+    def _run(self) -> list[Any]:
         plan = self.plan
         started = self._clock_start = time.monotonic()
         self._emit(LaunchStarted(

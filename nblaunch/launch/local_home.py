@@ -69,6 +69,7 @@ class LocalHome:
         pickling.check_picklable(request.function, request.args)  # names the culprit, before anything starts
         self._launch_id = ""
         self._inherited: dict[str, str] = {}
+        self._imported: list[str] = []  # what the last attempt's ranks imported
         self._starter: Starter = _STARTERS[self.plan.start_method]()
 
     def prepare(self, launch_id: str) -> None:
@@ -77,7 +78,13 @@ class LocalHome:
         # of the launch inherits the tag, whatever session it makes for itself.
         self._launch_id = launch_id
         self._inherited = dict(self._starter.environ_for_ranks(self.plan), **{LAUNCH_ID: launch_id})
-        for message in registry.stop_stale_ranks() + ledger().notices():
+        for message in registry.stop_stale_ranks():
+            print(f"nblaunch: {message}", file=sys.stderr)
+
+    def ready_next(self) -> None:
+        self._starter.ready_next()
+        # Under the launch they slow: the packages its ranks imported that are not loaded ahead.
+        for message in ledger().notices(self._imported):
             print(f"nblaunch: {message}", file=sys.stderr)
 
     def shared_log_root(self) -> str | None:
@@ -130,7 +137,8 @@ class LocalHome:
             if record is not None:
                 record.remove()
             try:  # the next launch's warm start: what these ranks imported, ranks on standby
-                self._starter.after(plan, [] if supervisor is None else supervisor.imported)
+                self._imported = [] if supervisor is None else supervisor.imported
+                self._starter.after(plan, self._imported)
             except Exception:  # noqa: BLE001  an optimisation only, never this launch's outcome
                 pass
 

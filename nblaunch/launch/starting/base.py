@@ -9,6 +9,7 @@ attempt, for every process of the launch. Example::
     ...
     starter.release()                                  # after the attempt, whatever happened
     starter.after(plan, imported)                      # what its ranks imported, for the next launch
+    starter.ready_next()                               # the caller waits until the next one is warm
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class Starter(ABC):
         (installed libraries, in order); the next launch's ranks should find it loaded. Runs on
         the launch's thread, so it only starts what takes long."""
         ledger().learn(imported)
+
+    def ready_next(self) -> None:
+        """On the caller's thread, after a launch that blocked it: wait until where the next
+        launch's ranks come from has what these ranks imported (``after`` began it)."""
 
 
 def rank_settings(plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerSettings]:

@@ -11,6 +11,7 @@ from typing import Callable, NoReturn
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter, rank_settings
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_processes
+from nblaunch.launch.warm_start.cells import cells
 from nblaunch.launch.warm_start.kernel_preload import kernel_preload
 from nblaunch.launch.warm_start.ledger import ledger
 from nblaunch.launch.warm_start.stepping_aside import launches
@@ -52,6 +53,11 @@ class ForkStarter(Starter):
             self._alone = None
         ledger().learn(imported)
         kernel_preload().after_launch()  # in the background: the next launch's ranks inherit it
+
+    def ready_next(self) -> None:
+        if kernel_preload().busy:
+            with cells().parked():  # the caller waits in here: this process may import meanwhile
+                kernel_preload().wait_loaded()
 
 
 def fork_ranks(each: list[WorkerSettings], function: Callable, args: tuple) -> list[WorkerProcess]:

@@ -27,6 +27,7 @@ from nblaunch.launch.starting.base import Starter, start_each_rank
 from nblaunch.launch.starting.packing import Payload, package
 from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for, kill_and_reap
 from nblaunch.launch.starting.spawn import send_payload
+from nblaunch.launch.warm_start.cells import cells
 from nblaunch.launch.warm_start.launch_server import LaunchServer, launch_server
 from nblaunch.launch.warm_start.ledger import ledger
 from nblaunch.launch.warm_start.server_link import ServerLink
@@ -96,6 +97,12 @@ class ServerStarter(Starter):
             self._alone = None
         if self._shape is not None and self._server is not None and self._server.alive:
             self._server.after_launch(self._shape)
+
+    def ready_next(self) -> None:
+        server = self._server
+        if server is not None and server.alive and server.lacks(ledger().for_server()):
+            with cells().parked():  # counts as idle for this process's own imports too
+                server.wait_warm()
 
 
 def _fork_there(source: ServerLink, settings: WorkerSettings, here: dict[str, str], cwd: str) -> WorkerProcess:

@@ -1,14 +1,16 @@
-"""Whether the kernel's main thread is between two notebook cells: the only time this process
-imports ahead for its forked ranks (``kernel_preload``).
+"""Whether the caller's thread is idle (between two notebook cells, or parked at the end of a
+launch that blocks it): the only time this process imports ahead for its forked ranks
+(``kernel_preload``).
 
 An import on another thread while a cell imports the same library hands the cell a module half
 initialised (importlib's deadlock avoidance: ``partially initialized module 'wandb' has no
 attribute 'errors'``). Between cells nothing of the user's runs; when a cell begins, it first
-waits for the package being imported to be done (``before_each_cell``). Outside IPython (a script,
-a test run) the main thread is never known to be idle: nothing is imported ahead there.
+waits for the package being imported to be done (``before_each_cell``).
 
-A cell that waits for the warm-up itself (``nblaunch.warm_start(wait=...)``) parks the main
-thread meanwhile: that counts as between cells.
+A thread that waits for the warm-up itself parks meanwhile, and that counts as between cells:
+a cell's ``nblaunch.warm_start(wait=...)``, and the end of every launch that blocks its caller
+(``LocalHome.finish``: in a cell, a loop inside one, a script, ``nblaunch launch``), which
+waits there until its ranks' imports are loaded for the next launch.
 
 Example (what ``import nblaunch`` does in a kernel)::
 
@@ -54,19 +56,18 @@ class Cells:
 
     @property
     def between(self) -> bool:
-        return self.watching and (not self._running or self._parked > 0)
+        return (self.watching and not self._running) or self._parked > 0
 
     def wait_between(self, timeout: float | None = None) -> bool:
-        """Wait until no cell runs; False if ``timeout`` passed first (or cells are not watched)."""
-        if not self.watching:
-            return False
+        """Wait until no cell runs (or the caller is parked); False if ``timeout`` passed first."""
         with self._changed:
             return self._changed.wait_for(lambda: self.between, timeout)
 
     @contextlib.contextmanager
     def parked(self) -> Iterator[None]:
-        """The main thread waits in the body for nothing but the warm-up; when it goes on it
-        first waits for the package under way (as a cell that begins does)."""
+        """The caller's thread waits in the body for nothing but the warm-up (a cell's
+        ``warm_start(wait=...)``, or the end of a launch that blocks it, in a cell or a script);
+        when it goes on it first waits for the package under way (as a cell that begins does)."""
         with self._changed:
             self._parked += 1
             self._changed.notify_all()

@@ -2,9 +2,11 @@
 
 After a fork launch, the libraries its ranks imported that this process has not imported are
 imported here, on a thread of their own (``nblaunch-preload``), one package at a time and only
-while no cell runs (``cells``: a cell importing the same library meanwhile would get it half
-initialised; a cell that begins waits for the package under way), so the next launch's ranks
-are forked with them loaded. Outside a notebook (a script) nothing is imported ahead here. Where an NVIDIA GPU is, a probe goes first: a
+while the caller is idle (``cells``: between cells, or parked at the end of a launch that blocks
+it; a cell importing the same library meanwhile would get it half initialised; a cell that begins
+waits for the package under way), so the next launch's ranks are forked with them loaded: a
+launch that blocks its caller (a cell, a loop in one, a script) returns once they are
+(``wait_loaded``). Where an NVIDIA GPU is, a probe goes first: a
 fork of this process imports the same packages and says what each did (``server/loading``); a
 package that starts CUDA is never imported here (every later launch of the kernel would have to
 go through the launch server). Everything else was proven by the ranks themselves: they are
@@ -44,6 +46,7 @@ import select
 import signal
 import sys
 import threading
+import time
 from typing import Iterator
 
 from nblaunch import wire
@@ -70,6 +73,7 @@ class KernelPreload:
         self._importing = threading.Lock()  # held while a package imports; a launch's forks take it too
         self._records = threading.Lock()  # what was imported: never held across an import (it may hang)
         self._current: str | None = None  # the package being imported
+        self._since = 0.0  # when its import began (time.monotonic)
         self._thread: threading.Thread | None = None
         self._environ: dict[str, str] = {}  # what the imports set, for the ranks
         # The packages brought in here: what their import read ("*": all), and os.environ then.
@@ -80,19 +84,36 @@ class KernelPreload:
         self._watching = False  # cells begin by waiting for the package under way
 
     def after_launch(self) -> None:
-        """Import, in the background and between cells, what the ranks imported that this
-        process has not."""
-        if not enabled() or not cells().watching or cuda_initialized():
+        """Import, in the background and only while the caller is idle (``cells``), what the
+        ranks imported that this process has not."""
+        if not enabled() or cuda_initialized():
             return  # with CUDA started here, the launches go through the launch server instead
         if not self._watching:
             self._watching = True
             cells().before_each_cell(self._wait_for_the_package_under_way)
-        if self._thread is not None and self._thread.is_alive():
+        if self.busy:
             return
         names = ledger().for_kernel()
         if names:
             self._thread = threading.Thread(target=self._load, args=(names,), name="nblaunch-preload", daemon=True)
             self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """Whether imports for the ranks are under way (or waiting for the caller to be idle)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_loaded(self) -> None:
+        """On the caller's thread, parked (``cells().parked()``): wait until the imports under
+        way are done. A package still importing after ``WAIT_FOR_A_PACKAGE_S`` is refused and
+        not waited for (it finishes in the background, or never)."""
+        while self.busy:
+            thread, current, since = self._thread, self._current, self._since
+            if current is not None and time.monotonic() - since > WAIT_FOR_A_PACKAGE_S:
+                ledger().refuse(current, f"its import here had not finished after {WAIT_FOR_A_PACKAGE_S:g} s")
+                return
+            if thread is not None:
+                thread.join(min(1.0, WAIT_FOR_A_PACKAGE_S))
 
     def _wait_for_the_package_under_way(self) -> None:
         if self._acquire():
@@ -170,6 +191,7 @@ class KernelPreload:
                 if cuda_initialized():
                     return  # the user started CUDA meanwhile: forks are over in this process
                 self._current, new, then = package, package not in sys.modules, dict(os.environ)
+                self._since = time.monotonic()
                 with kept_output() as said:  # not the last cell's output (kept_output)
                     verdict, environ = load_package(modules, watch_threads=False)
                 self._current = None
@@ -177,7 +199,7 @@ class KernelPreload:
                     with self._records:
                         self._said[package] = said.getvalue()
                 if verdict != OK:
-                    ledger().refuse(package, verdict)
+                    ledger().refuse(package, verdict, time.monotonic() - self._since)
                     continue
                 found = stamps([package]) if new else {}
                 with self._records:  # before the next fork: it takes _importing

@@ -128,9 +128,9 @@ class LaunchServer:
                 return
             born.set_result((pid, fd))
         elif kind == wire.SERVER_LOADED and link is not self._base:
-            package, verdict, _ = news
+            package, verdict, seconds = news
             if verdict != OK:
-                ledger().refuse(package, verdict)
+                ledger().refuse(package, verdict, seconds)
 
     # ------------------------------------------------------------------ a launch
     def source_for(self, environ: dict[str, str]) -> ServerLink:
@@ -191,6 +191,13 @@ class LaunchServer:
             if self._standby.left:
                 self.last_release = self._standby.left[-1]
             return live
+
+    def lacks(self, names: list[str]) -> bool:
+        """Whether the next launch's ranks would not find ``names`` loaded where they come from
+        (no full generation ready with them, for this process's environment as it is now)."""
+        with self._lock:
+            full = self._full
+        return not (full is not None and full.link.ready and full.fits(dict(os.environ)) and set(names) <= full.names)
 
     def generations(self) -> tuple[Generation | None, Generation | None]:
         with self._lock:
@@ -332,7 +339,7 @@ class LaunchServer:
             current.release()
         if shape.device_kind == "cuda" and not self._watching_cuda_here:
             self._watching_cuda_here = standby.watch_cuda_here(self.release_standby, os.getpid())
-        ahead = [n for n in ledger().learned() if n not in source.names] if enabled() else []
+        ahead = [n for n in ledger().for_cuda() if n not in source.names] if enabled() else []
         found = dict(source.stamps, **stamps({top_level(n) for n in ahead}))
         made = standby.StandbyGroup.start(shape, source.link, ahead, found)
         with self._lock:  # published at once: a launch may claim it while it readies

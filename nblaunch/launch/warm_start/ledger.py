@@ -13,8 +13,8 @@ Example::
 
     ledger().learn(["sklearn", "sklearn.base", "sklearn.datasets"])   # what a launch's ranks said
     ledger().for_kernel()      # ['sklearn', 'sklearn.base', 'sklearn.datasets'] if not loaded here
-    ledger().refuse("bnb", "initialises CUDA")
-    ledger().notices()         # ['could not load bnb ahead of the ranks (initialises CUDA): ...']
+    ledger().refuse("bnb", "it raised OSError: ...", seconds=1.2)
+    ledger().notices(["bnb"])  # ['could not load bnb ahead of the ranks: it raised OSError: ...'], once
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from nblaunch.contract.variables import PRELOAD
 from nblaunch.facts.installed import installed_modules, top_level
+from nblaunch.server.loading import CUDA
 
 TRUSTED = ("torch._dynamo", "nblaunch.training")  # torch imports the first when an optimizer is built
 # The notebook's own machinery, in the kernel but no rank's business: never loaded for the ranks
@@ -55,7 +56,8 @@ class Ledger:
         self._lock = threading.Lock()
         self._learned: dict[str, None] = {}  # an ordered set
         self._refused: dict[str, str] = {}
-        self._notices: list[str] = []
+        self._cuda_only: set[str] = set()  # start CUDA at import: loaded ahead only where CUDA is allowed
+        self._notices: dict[str, str] = {}  # package -> its line, said under a launch whose ranks import it
 
     def learn(self, names: Iterable[str]) -> None:
         """Add what a launch's ranks imported (``wire.IMPORTED``), in order."""
@@ -66,35 +68,49 @@ class Ledger:
                 if top_level(name) not in self._refused and not _machinery(name):
                     self._learned.setdefault(name, None)
 
-    def refuse(self, package: str, why: str) -> None:
-        """Never load ``package`` ahead again in this process; if ranks imported it (not only this
-        process), say so at the next launch."""
+    def refuse(self, package: str, why: str, seconds: float | None = None) -> None:
+        """Never load ``package`` ahead again in this process; a package that starts CUDA is still
+        loaded by ranks waiting on a GPU (``for_cuda``), which have CUDA already. ``seconds``: what
+        its import took where it was tried (what each rank pays for it)."""
         with self._lock:
             if package in self._refused or package in {top_level(t) for t in TRUSTED}:
                 return
             self._refused[package] = why
-            learned = {n: None for n in self._learned if top_level(n) != package}
-            if len(learned) < len(self._learned):
-                self._notices.append(f"could not load {package} ahead of the ranks ({why}): they import it themselves")
-            self._learned = learned
+            if why == CUDA:
+                self._cuda_only.add(package)
+            else:
+                self._learned = {n: None for n in self._learned if top_level(n) != package}
+            cost = f" ({seconds:.1f} s here)" if seconds is not None else ""
+            self._notices[package] = (
+                f"could not load {package} ahead of the ranks: {why}. Each launch's ranks import it "
+                f"themselves{cost}. " + _WHAT_TO_DO.get(why, _WHAT_TO_DO[None]))
 
     def refused(self) -> dict[str, str]:
         with self._lock:
             return dict(self._refused)
 
-    def notices(self) -> list[str]:
-        """The lines not said yet, each said once."""
+    def notices(self, imported: Iterable[str]) -> list[str]:
+        """The lines for the refused packages among ``imported`` (what a launch's ranks imported:
+        the launch they slowed), each said once per process."""
+        packages = {top_level(n) for n in imported}
         with self._lock:
-            found, self._notices = self._notices, []
-            return found
+            said = [p for p in self._notices if p in packages]
+            return [self._notices.pop(p) for p in said]
 
     def learned(self) -> list[str]:
         with self._lock:
             return list(self._learned)
 
     def for_kernel(self) -> list[str]:
-        """What forked ranks should inherit that this process has not imported."""
-        return [n for n in self.learned() if n not in sys.modules]
+        """What forked ranks should inherit that this process has not imported (nothing that
+        starts CUDA: this process forks its ranks only while CUDA is not started here)."""
+        with self._lock:
+            return [n for n in self._learned if n not in sys.modules and top_level(n) not in self._cuda_only]
+
+    def for_cuda(self) -> list[str]:
+        """What ranks waiting on a GPU import while they wait: everything learned, what starts
+        CUDA at import included (they have CUDA already)."""
+        return self.learned()
 
     def for_server(self) -> list[str]:
         """What a generation of the launch server imports: the trusted modules, this process's
@@ -105,6 +121,15 @@ class Ledger:
             names.update(dict.fromkeys(n for n in installed_modules(list(sys.modules)) if not _machinery(n)))
             names.update(dict.fromkeys(self.learned()))
         return [n for n in names if top_level(n) not in refused]
+
+
+# What a user can do about a package that is not loaded ahead, by why.
+_WHAT_TO_DO = {
+    CUDA: "Ranks waiting on a GPU load it (NBLAUNCH_STANDBY); to have it in this process instead, import "
+          "it in a cell (the launches then start from the launch server).",
+    None: "If its import can be made to succeed here, import it in a cell before launching; "
+          "nblaunch.warm_start() shows what is loaded ahead where.",
+}
 
 
 def _machinery(name: str) -> bool:
