@@ -4,7 +4,7 @@ Each measurement runs in a subprocess of its own with a hard time limit (its pro
 killed past it), so one failure or hang does not poison the others. Results go to
 ``benchmarks/results/latest.json`` and ``latest.md`` (or ``--out DIR``).
 
-Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm, rerun (default: all).
+Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm, rerun, sweep (default: all).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ MEASUREMENTS = {
               900),
     "rerun": ("benchmarks.m_rerun:run", "12. Re-running a cell: a later launch of a function that imports "
               "scikit-learn and trains a small CNN, 2 s after the one before", 600),
+    "sweep": ("benchmarks.m_sweep:run", "13. A sweep: 5 launches back to back of that function, in a script and "
+              "in one cell", 600),
 }
 
 

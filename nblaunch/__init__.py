@@ -28,7 +28,7 @@ from nblaunch.launch.errors import (
 )
 from nblaunch.launch.planning import cuda_culprit
 from nblaunch.launch.planning.devices import cuda_device_count
-from nblaunch.launch.warm_start.early_start import start_early
+from nblaunch.launch.ahead.early_start import start_early
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.progress import progress
 

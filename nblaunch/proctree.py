@@ -171,6 +171,24 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+_PF_EXITING = 0x4  # the flags of stat(5): the process has begun to exit
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs now: not gone, not a zombie, not exiting, no SIGKILL pending (a big
+    process takes milliseconds to die, and its children get their death signal only then)."""
+    fields = stat_fields(pid)
+    if not fields or fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
+        return False
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            pending = [int(line.split()[1], 16) for line in status if line.startswith((b"SigPnd:", b"ShdPnd:"))]
+    except OSError:
+        return False
+    return not any(p & _SIGKILL_BIT for p in pending)
+
+
 def _is_zombie(pid: int) -> bool:
     fields = stat_fields(pid)
     return not fields or fields[0] == b"Z"

@@ -36,7 +36,7 @@ CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
 CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
-INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.pool.cell_stop)
+INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.warm.cell_stop)
 RELEASE = b"x"  # warm ranks: empty body: make the group's waiting collectives raise (a peer failed)
 CLAIM = b"K"  # empty body: a launch takes a rank on standby; the rank answers with the same frame
 
@@ -53,7 +53,7 @@ SERVER_LOADING = b"Z"  # generation: pickled top-level package it imports now
 SERVER_LOADED = b"J"  # generation: pickled (package, verdict, seconds) once imported (server.loading)
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
-# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.starting.packing.
+# (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.processes.packing.
 SHARED_STORAGE = "nblaunch.shared-storage"
 
 

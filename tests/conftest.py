@@ -95,7 +95,7 @@ def warm_start_settled():
     """What a launch started for the next one (imports here, the launch server's generations and
     ranks on standby) is done before the next test: no test runs beside another's warm-up."""
     yield
-    from nblaunch.launch.warm_start.report import warm_start
+    from nblaunch.launch.ahead.report import warm_start
 
     warm_start(wait=120)
 

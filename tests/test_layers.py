@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
     ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
-     "nblaunch.preimport", "nblaunch.after_import", "nblaunch.facts"],
+     "nblaunch.preimport", "nblaunch.after_import", "nblaunch.facts", "nblaunch.per_process"],
     ["nblaunch.worker", "nblaunch.display"],
     ["nblaunch.server"],  # the launch server's processes: they host ranks, so they stand on worker/
     # training/: one folder per concern, each importing only those before it
@@ -32,6 +32,12 @@ LAYERS = [
     ["nblaunch.training.accelerator"],
     ["nblaunch.training"],  # its __init__: the public names
     ["nblaunch.detached"],  # where a launch is kept outside the kernel; knows nothing of launches
+    # launch/: what a launch is asked and planned, the processes it starts, what readies them
+    # ahead of it, the floor that decides how its ranks start, then the rest (the Launch, its homes).
+    ["nblaunch.launch.errors", "nblaunch.launch.planning"],
+    ["nblaunch.launch.processes"],
+    ["nblaunch.launch.ahead"],
+    ["nblaunch.launch.starting"],
     ["nblaunch.launch"],
     ["nblaunch.cluster"],
     ["nblaunch.homes"],
@@ -71,8 +77,6 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
-                continue
             inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if isinstance(child, ast.Import):
                 names = [alias.name for alias in child.names]

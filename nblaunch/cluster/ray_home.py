@@ -40,7 +40,7 @@ from nblaunch.launch.planning.plan import (
     ranks_per_node,
 )
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes.packing import Payload
 
 _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
 

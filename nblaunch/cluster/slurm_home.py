@@ -42,8 +42,8 @@ from nblaunch.launch.planning.plan import (
     ranks_per_node,
 )
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.starting.packing import Payload
-from nblaunch.launch.starting.spawn import PACKAGE_ROOT
+from nblaunch.launch.processes.packing import Payload
+from nblaunch.launch.processes.processes import PACKAGE_ROOT
 
 
 

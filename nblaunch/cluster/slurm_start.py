@@ -21,7 +21,7 @@ from nblaunch.contract.version import __version__
 from nblaunch.events import ClusterWaiting, Event, RanksPlaced
 from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchTimeoutError
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes.packing import Payload
 
 AGENTS_START_S = 120.0  # from the nodes being given to every agent connected: Python and torch starting
 _QUEUE_CHECK_S = 2.0  # how often squeue is asked while the job waits

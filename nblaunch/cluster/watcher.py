@@ -26,7 +26,7 @@ from nblaunch.launch.errors import (
     LaunchTimeoutError,
     RankFailedError,
 )
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes.packing import Payload
 
 _CHECK_S = 0.05  # how often the loop looks at cancel requests and the deadline
 _STOP_BACKSTOP_S = 30.0  # stopping a node takes about a second; past this its agent is killed anyway

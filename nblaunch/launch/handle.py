@@ -24,12 +24,13 @@ from typing import Any
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
+from nblaunch.launch.ahead.caller import caller
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.launch.processes.packing import Payload
 from nblaunch.launch.ranks_home import RanksHome, RankWatcher
-from nblaunch.launch.starting.packing import Payload
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -222,8 +223,9 @@ class Launch:
         raised; the caller then waits until the next launch's ranks will begin with what these
         imported (``RanksHome.ready_next``: a loop of launches re-runs warm). Call it, or
         ``start``, once."""
-        results = self._run()
-        self._home.ready_next()
+        with caller().parked():  # the caller waits in nblaunch: this process may import ahead meanwhile
+            results = self._run()
+            self._home.ready_next()
         return results
 
     def _run(self) -> list[Any]:

@@ -33,30 +33,12 @@ from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.rendezvous import Rendezvous
-from nblaunch.launch.starting.base import Starter
-from nblaunch.launch.starting.fork import ForkStarter
-from nblaunch.launch.starting.packing import Payload, package
-from nblaunch.launch.starting.processes import WorkerProcess, kill_and_reap
-from nblaunch.launch.starting.server_starter import ServerStarter
-from nblaunch.launch.starting.spawn import SpawnStarter
+from nblaunch.launch.starting.choice import starter_for
+from nblaunch.launch.processes.packing import Payload, package
+from nblaunch.launch.processes.processes import WorkerProcess, kill_and_reap
 from nblaunch.launch.supervising.gpu_usage import GpuSampler
 from nblaunch.launch.supervising.supervisor import Supervisor
-from nblaunch.launch.warm_start.ledger import ledger
-
-def _xla_host_starter() -> Starter:
-    # Deferred: TPU hosts only; it loads the XLA host's worker code, which no other launch needs.
-    from nblaunch.launch.starting.xla_host import XlaHostStarter
-
-    return XlaHostStarter()
-
-
-# Linux forks "spawn" ranks from the launch server (a fresh interpreter per rank elsewhere).
-_STARTERS: dict[str, Callable[[], Starter]] = {
-    "fork": ForkStarter,
-    "spawn": ServerStarter if sys.platform.startswith("linux") else SpawnStarter,
-    "xla": _xla_host_starter,
-}
-
+from nblaunch.launch.ahead.ledger import ledger
 
 class LocalHome:
     """Ranks as processes of this machine (see the module's docstring)."""
@@ -65,12 +47,11 @@ class LocalHome:
     keeps_warm_ranks: ClassVar[bool] = True
 
     def __init__(self, request: LaunchRequest) -> None:
-        self.plan: LaunchPlan = plan_here(request)
+        self._starter, self.plan = starter_for(plan_here(request))
         pickling.check_picklable(request.function, request.args)  # names the culprit, before anything starts
         self._launch_id = ""
         self._inherited: dict[str, str] = {}
         self._imported: list[str] = []  # what the last attempt's ranks imported
-        self._starter: Starter = _STARTERS[self.plan.start_method]()
 
     def prepare(self, launch_id: str) -> None:
         # On the caller's thread: the imports for the ranks touch os.environ, which a launch
@@ -121,7 +102,7 @@ class LocalHome:
             )
             record.save()
             supervisor = Supervisor(workers, emit, time_left, gpus, plan.request.stall_after,
-                                    first_rank=plan.node_rank * plan.num_processes)
+                                    first_rank=plan.node_rank * plan.num_processes, learned=self._starter.learned)
             yield supervisor
         except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway

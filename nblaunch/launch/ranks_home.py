@@ -23,7 +23,7 @@ from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import Event
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes.packing import Payload
 
 
 class RankWatcher(Protocol):

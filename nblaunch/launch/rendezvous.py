@@ -29,7 +29,7 @@ from typing import Any
 
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting import fdtable
+from nblaunch.launch.processes import fdtable
 
 
 def hosts_store(plan: LaunchPlan) -> bool:

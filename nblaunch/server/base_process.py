@@ -2,7 +2,7 @@
 
 A kernel that initialised CUDA (or asked for ``start_method="spawn"``) cannot fork its ranks:
 a forked child's CUDA is broken. A fresh interpreter per rank works but costs seconds each
-launch (``import torch``). So the kernel starts this process once (``launch/warm_start``),
+launch (``import torch``). So the kernel starts this process once (``launch/ahead``),
 as soon as a launch could need it: it imports torch, never touches CUDA, says it is ready, then
 forks ranks on request (``server/serving``) and, when the kernel asks, generations: children
 that import what the kernel's ranks will import before forking them (``server/generation``).

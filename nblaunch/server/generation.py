@@ -2,7 +2,7 @@
 will import, then forks ranks that find it all loaded.
 
 The kernel asks the base for one when its list of modules or its environment changed
-(``launch/warm_start/launch_server``). A generation imports with the kernel's environment (a
+(``launch/ahead/launch_server``). A generation imports with the kernel's environment (a
 library reads variables at import), one package at a time (``server/loading``), telling the
 kernel which package it is on (``SERVER_LOADING``) and what came of it (``SERVER_LOADED``); it
 answers a request for a rank between two packages (the kernel sends none before ``SERVER_READY``,

@@ -2,7 +2,7 @@
 
 Used where ranks come from: a generation of the launch server before it forks ranks
 (``server/generation``), and a probe forked from the kernel before the kernel imports for its
-forked ranks (``launch/warm_start/kernel_preload``). What a package's import did decides
+forked ranks (``launch/ahead/kernel_preload``). What a package's import did decides
 whether the process may still fork ranks after it:
 
 - ``ok``: loaded.

@@ -34,14 +34,14 @@ from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, Laun
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes import fdtable
+from nblaunch.launch.processes.packing import Payload
 from nblaunch.warm.call_outcome import finish_call, show_start
 from nblaunch.warm.call_router import CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
 from nblaunch.warm.pool_request import pool_home, pool_request
 from nblaunch.warm.settling import Presses, Settling
-from nblaunch.worker.pool.group import reform_group
+from nblaunch.worker.warm.group import reform_group
 
 _CLOSE_S = 30.0  # backstop for ranks to leave after CLOSE; they take milliseconds
 _REFORM_S = 60.0  # backstop for re-forming the group: gloo connects in milliseconds

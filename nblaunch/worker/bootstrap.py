@@ -76,7 +76,7 @@ def run_forked(
 def settle_forked_child(parent_pid: int) -> None:
     """First steps of any process the launcher forks: a process group of its own (then SIGINT,
     blocked across the fork, may come in), and death with the launcher. The launcher's other
-    descriptors were closed at the fork (``nblaunch.launch.starting.fdtable``)."""
+    descriptors were closed at the fork (``nblaunch.launch.processes.fdtable``)."""
     os.setpgid(0, 0)
     # Garbage the parent had not collected yet is not ours to collect: its finalizers may wait
     # for the parent's threads (Ray's GlobalStateAccessor joins a C++ thread, and a rank hung
@@ -160,31 +160,48 @@ def prepare_process() -> None:
 
 
 def serve(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
-    """Run one rank's function and send back its result or failure, then the installed
-    libraries it imported (``wire.IMPORTED``: the next launch's ranks find them loaded); returns
-    an exit code. The channel must already point at ``event_fd`` for the calling thread.
+    """Run one rank's function and send back its result or failure; returns an exit code. The
+    installed libraries it imports are told as it goes (``wire.IMPORTED``, at each look of the
+    stall look-out, and at its end): the launcher loads them for the next launch meanwhile. The
+    channel must already point at ``event_fd`` for the calling thread.
     """
-    before = len(sys.modules)
+    tell = _ImportsTold(len(sys.modules))
     try:
-        return _run_function(function, args, control, event_fd)
+        return _run_function(function, args, control, event_fd, tell)
     finally:
-        _tell_imported(before)
+        tell()
 
 
-def _tell_imported(before: int) -> None:
-    try:
-        imported = installed_modules(loaded_since(before))
-        if imported:
-            channel.send(wire.IMPORTED, pickle.dumps(imported))
-    except Exception:  # noqa: BLE001  only an optimisation of the next launch: never this rank's exit
-        pass
+class _ImportsTold:
+    """Tells the launcher, once each, the installed modules imported (to their end) since
+    ``sys.modules`` held ``before`` of them."""
+
+    def __init__(self, before: int) -> None:
+        self._before, self._told = before, set()
+        self._lock = threading.Lock()  # the look-out thread and the main thread's end
+
+    def __call__(self) -> None:
+        try:
+            with self._lock:
+                new = [n for n in installed_modules(loaded_since(self._before))
+                       if n not in self._told and not _being_imported(n)]
+                self._told.update(new)
+            if new:
+                channel.send(wire.IMPORTED, pickle.dumps(new))
+        except Exception:  # noqa: BLE001  only an optimisation of the next launch: never this rank's
+            pass
 
 
-def _run_function(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
+def _being_imported(name: str) -> bool:
+    return bool(getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False))
+
+
+def _run_function(function: Callable, args: tuple, control: ControlSocket, event_fd: int,
+                  each_look: Callable[[], None]) -> int:
     # A bare thread: threading.Thread.start() waits until the new thread runs, which on busy
     # cores is a millisecond of every launch spent before the user's function starts.
     _thread.start_new_thread(_watch_launcher, (control, event_fd))
-    movement.watch_main_thread()
+    movement.watch_main_thread(each_look)
     try:
         result = function(*args)
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result

@@ -40,8 +40,8 @@ from typing import Any, Callable
 from nblaunch import wire
 from nblaunch.contract import variables as v
 from nblaunch.worker import channel, payload
-from nblaunch.worker.pool import cell_stop, group
-from nblaunch.worker.pool.subset_guard import collectives_refused
+from nblaunch.worker.warm import cell_stop, group
+from nblaunch.worker.warm.subset_guard import collectives_refused
 from nblaunch.worker.reports import describe, failure_record
 from nblaunch.worker.streams import flush_streams
 

@@ -32,7 +32,7 @@ def die_with_parent(expected_parent_pid: int) -> None:
     SIGKILL, not SIGTERM or SIGINT: a process blocked in gloo/NCCL cannot run a Python handler,
     and those signals would leave it alive. The kernel sends it when the *thread* that forked us
     exits, so the launcher forks from a thread that lives as long as the launch (forked ranks:
-    ``nblaunch.launch.starting.forking_thread``, which lives as long as the process).
+    ``nblaunch.launch.processes.forking_thread``, which lives as long as the process).
     The parent may have died between fork and prctl: check, then exit.
     """
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -11,7 +11,7 @@ collective's wait or in ``time.sleep`` is neither, and sends nothing.
 
 Example (the bootstrap, once the user's function is about to run)::
 
-    watch_main_thread()   # no-op unless the launch set NBLAUNCH_STALL_AFTER
+    watch_main_thread(tell_imported)   # no-op unless the launch set NBLAUNCH_STALL_AFTER
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 from nblaunch import wire
 from nblaunch.contract import variables as v
@@ -29,17 +30,18 @@ from nblaunch.worker import channel
 _LOOK_EVERY_S = (0.25, 5.0)  # bounds of a quarter of stall_after
 
 
-def watch_main_thread() -> None:
-    """Start the look-out thread where the launch watches for stalls."""
+def watch_main_thread(each_look: Callable[[], None]) -> None:
+    """Start the look-out thread where the launch watches for stalls; ``each_look()`` runs on it
+    at each look too (the rank's imports, told as it goes)."""
     try:
         stall_after = float(os.environ.get(v.STALL_AFTER, ""))
     except ValueError:
         return
     every = min(max(stall_after / 4, _LOOK_EVERY_S[0]), _LOOK_EVERY_S[1])
-    _thread.start_new_thread(_look_out, (threading.main_thread().ident, every))
+    _thread.start_new_thread(_look_out, (threading.main_thread().ident, every, each_look))
 
 
-def _look_out(main: int, every: float) -> None:
+def _look_out(main: int, every: float, each_look: Callable[[], None]) -> None:
     clock = time.pthread_getcpuclockid(main)
     last, cpu = _place(main), time.clock_gettime(clock)
     try:
@@ -58,6 +60,7 @@ def _look_out(main: int, every: float) -> None:
             except OSError:
                 return  # the launcher is gone
         last, cpu = place, used
+        each_look()
 
 
 def _place(thread: int) -> tuple[int, int, int] | None:

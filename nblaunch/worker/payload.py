@@ -1,4 +1,4 @@
-"""A rank's side of the payload (see ``nblaunch.launch.starting.packing``): read a spawned rank's from the
+"""A rank's side of the payload (see ``nblaunch.launch.processes.packing``): read a spawned rank's from the
 control socket and rebuild ``(function, args)``, or a warm rank's call, mapping shared bytes
 privately (copy-on-write)."""
 

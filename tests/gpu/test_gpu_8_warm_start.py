@@ -110,7 +110,7 @@ def waiting(wait=120):
 SERVER_PATH = [
     "import json, time, torch\nprint('AVAILABLE', torch.cuda.is_available())",  # the driver starts: spawn from now on
     "import nblaunch, psutil\nfrom nblaunch import notebook_launcher\n" + DRIVER_PROBE_SOURCE,
-    "from nblaunch.launch.warm_start import early_start\nearly_start.wait_started(60)\n"
+    "from nblaunch.launch.ahead import early_start\nearly_start.wait_started(60)\n"
     "print('CHILDREN ' + json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children()]))\n"
     "print(repr(nblaunch.warm_start(wait=120)))  # its warm-up done: the first launch's ranks find it",
     TUTORIAL,

@@ -15,7 +15,7 @@ from nbcells import everything_shown
 from stand_ins import FAKE_NVML, stand_in_library
 
 CELLS = [
-    "import json, os, sys, psutil\nimport nblaunch\nfrom nblaunch.launch.warm_start import early_start\n"
+    "import json, os, sys, psutil\nimport nblaunch\nfrom nblaunch.launch.ahead import early_start\n"
     "early_start.wait_started(60)\n"
     "print('BEFORE ' + json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children()]))",
     "ready = nblaunch.warm_start(wait=120)\nprint('LOADED ' + json.dumps(list(ready.server_loaded)))",

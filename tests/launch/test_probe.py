@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from nblaunch.launch.warm_start.kernel_preload import probe
+from nblaunch.launch.ahead.kernel_preload import probe
 from warm_start_helpers import Installed
 
 

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from nblaunch import RankFailedError, notebook_launcher
-from nblaunch.launch.starting.processes import Pipes, fork_process
+from nblaunch.launch.processes.processes import Pipes, fork_process
 from nblaunch.launch.supervising.supervisor import Supervisor
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 

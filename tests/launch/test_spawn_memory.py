@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import notebook_launcher
-from nblaunch.launch.starting import fdtable, packing
+from nblaunch.launch.processes import fdtable, packing
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfds")]
 

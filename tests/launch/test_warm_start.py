@@ -1,14 +1,15 @@
-"""Issue 44: a launch's ranks begin with what the work needs already loaded: what earlier ranks
-imported is in every rank before the function starts, forked from the kernel (which imported it
-between launches) or from a generation of the launch server (which did), and never what would
-make a rank differ from a fresh one (the user's own code, a library installed anew, variables
-changed since), whatever a library does to the process loading it ahead."""
+"""Issues 44 and 52: a launch's ranks begin with what the work needs already loaded: what earlier
+ranks imported is in every rank before the function starts, forked from the kernel (which
+imported it at the end of the launch before) or from a generation of the launch server (which
+did), wherever the launches come from (cells, a loop inside one cell, a script), and never what
+would make a rank differ from a fresh one (the user's own code, a library installed anew,
+variables changed since), whatever a library does to the process loading it ahead."""
 
 from __future__ import annotations
 
 import pytest
 
-from warm_start_helpers import Installed, run
+from warm_start_helpers import Installed, run, run_script
 
 METHODS = [None, pytest.param("spawn", marks=pytest.mark.slow)]  # fork from this process; the launch server
 
@@ -52,6 +53,27 @@ def test_what_earlier_ranks_imported_is_loaded_before_the_next_launch_but_never_
     else:  # a generation of the server loaded it; this process never did
         assert not said["kernel"] and package in said["server"] and said["parent"] != said["me"]
         assert said["second"]["mine"] is False
+
+
+LOOP = """
+    def train(package):
+        found = package in sys.modules
+        __import__(package)
+        return found
+
+    found = [launch(train, PACKAGE, n=2, method=METHOD) for _ in range(3)]
+    say(found=found)
+"""
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("where", ["one cell", "a script"])
+def test_a_loop_of_launches_begins_warm_from_its_second_launch_in_one_cell_and_in_a_script(
+        where, method, installed, tmp_path):
+    package = installed.package("VALUE = 1\n")
+    setup = f"PACKAGE, METHOD = {package!r}, {method!r}"
+    [said], _ = (run if where == "one cell" else run_script)(LOOP, setup=setup, cwd=str(tmp_path))
+    assert said["found"] == [[False, False], [True, True], [True, True]]
 
 
 ANEW = """
@@ -157,7 +179,7 @@ def test_a_library_that_cannot_be_loaded_ahead_costs_the_next_launch_its_own_imp
 
 
 HANGS = """
-    from nblaunch.launch.warm_start import launch_server, kernel_preload
+    from nblaunch.launch.ahead import launch_server, kernel_preload
     launch_server.PACKAGE_HANGS_S = kernel_preload.WAIT_FOR_A_PACKAGE_S = 3.0
 
     def use(package):

@@ -1,7 +1,7 @@
 """For the warm-start tests: packages really installed (in this interpreter's site-packages,
 where the ranks' imports come from), and scenarios run in a fresh Jupyter kernel each (a
-kernel's warm start is kept per process, and this process imports ahead only between cells:
-``#%%`` in a scenario starts a new cell)."""
+kernel's warm start is kept per process: ``#%%`` in a scenario starts a new cell), or as a
+script in a fresh interpreter (``run_script``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 import textwrap
 import uuid
@@ -87,3 +89,13 @@ def run(script: str, cwd: str, setup: str = "", timeout: float = 300, **environ:
     text = "".join(shown)
     said = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
     return said, text
+
+
+def run_script(script: str, cwd: str, setup: str = "", timeout: float = 300) -> tuple[list[dict], str]:
+    """Run HEADER, ``setup`` and ``script`` (its ``#%%`` marks mean nothing there) as a script in
+    a fresh interpreter; every ``say(...)`` it printed, and its stderr."""
+    source = HEADER + textwrap.dedent(setup) + "\n" + textwrap.dedent(script)
+    done = subprocess.run([sys.executable, "-c", source], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    said = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return said, done.stderr

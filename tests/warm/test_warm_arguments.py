@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import RankFailedError, wire
-from nblaunch.launch.starting import fdtable, packing
+from nblaunch.launch.processes import fdtable, packing
 from nblaunch.warm.ranks import WarmRanks
 
 

@@ -28,7 +28,6 @@ from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import cuda_culprit, devices, ports, tpu
 from nblaunch.launch.planning.request import START_METHODS, LaunchRequest
 from nblaunch.launch.planning.threads import threads_per_worker
-from nblaunch.launch.warm_start.kernel_preload import kernel_preload
 
 CPU_RANKS_BY_DEFAULT = 2  # num_processes=None on a machine without GPUs: a real group, on any laptop
 
@@ -144,11 +143,6 @@ def start_method_for(requested: str | None, cpu: bool) -> tuple[str, str]:
         return "spawn", f"CUDA was initialised in this process {where}, and forked workers could not use it"
     if requested == "fork":
         return "fork", "asked for with start_method='fork'"
-    stale = kernel_preload().stale_packages()
-    if stale:
-        package, why = next(iter(stale.items()))
-        return "spawn", (f"{package} {why} since this process loaded it for earlier ranks, and forked ranks "
-                         "would get it as it was")
     return "fork", "the quickest start: each process begins as a copy of this one"
 
 

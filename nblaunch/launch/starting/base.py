@@ -20,8 +20,8 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.processes import WorkerProcess, kill_and_reap
-from nblaunch.launch.warm_start.ledger import ledger
+from nblaunch.launch.processes.processes import WorkerProcess, kill_and_reap
+from nblaunch.launch.ahead.ledger import ledger
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
@@ -43,6 +43,11 @@ class Starter(ABC):
     def release(self) -> None:
         """Free what ``start`` held for the ranks (a spawn's shared memory); after every attempt."""
 
+    def learned(self, imported: list[str]) -> None:
+        """While the ranks run, on the launch's thread: they imported ``imported`` (to its end);
+        the next launch's ranks should find it loaded, so loading it may begin now."""
+        ledger().learn(imported)
+
     def after(self, plan: LaunchPlan, imported: list[str]) -> None:
         """After an attempt, whatever happened: ``imported`` is what its ranks imported
         (installed libraries, in order); the next launch's ranks should find it loaded. Runs on
@@ -50,8 +55,9 @@ class Starter(ABC):
         ledger().learn(imported)
 
     def ready_next(self) -> None:
-        """On the caller's thread, after a launch that blocked it: wait until where the next
-        launch's ranks come from has what these ranks imported (``after`` began it)."""
+        """On the caller's thread, parked (``ahead/caller``), after a launch that blocked it:
+        wait until where the next launch's ranks come from has what these ranks imported
+        (``learned`` and ``after`` began it)."""
 
 
 def rank_settings(plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerSettings]:

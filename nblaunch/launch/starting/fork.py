@@ -1,7 +1,7 @@
 """Fork: every rank begins as a copy of the launching process (the quickest start, the default
 where it is safe). The child shares the parent's memory, so data sets are not copied, and every
 module the parent imported: what earlier ranks imported is imported here between launches
-(``launch/warm_start/kernel_preload``), so the next ranks begin with it."""
+(``launch/ahead/kernel_preload``), so the next ranks begin with it."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from typing import Callable, NoReturn
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter, rank_settings
-from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_processes
-from nblaunch.launch.warm_start.cells import cells
-from nblaunch.launch.warm_start.kernel_preload import kernel_preload
-from nblaunch.launch.warm_start.ledger import ledger
-from nblaunch.launch.warm_start.stepping_aside import launches
+from nblaunch.launch.processes.processes import Pipes, WorkerProcess, fork_processes
+from nblaunch.launch.ahead.kernel_preload import kernel_preload
+from nblaunch.launch.ahead.ledger import ledger
+from nblaunch.launch.ahead.stepping_aside import launches
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.streams import std_stream_handlers
@@ -38,7 +37,7 @@ class ForkStarter(Starter):
             return {}
 
     def __init__(self) -> None:
-        self._alone: bool | None = None  # this attempt runs, and whether alone (warm_start/stepping_aside)
+        self._alone: bool | None = None  # this attempt runs, and whether alone (ahead/stepping_aside)
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         request = plan.request
@@ -46,6 +45,10 @@ class ForkStarter(Starter):
             self._alone = launches().began(plan)
         with kernel_preload().before_fork() as preloaded:  # between two of its imports
             return fork_ranks(rank_settings(plan, dict(preloaded, **environ)), request.function, request.args)
+
+    def learned(self, imported: list[str]) -> None:
+        ledger().learn(imported)
+        kernel_preload().after_launch()  # while the caller is parked in the launch, on spare cores
 
     def after(self, plan: LaunchPlan, imported: list[str]) -> None:
         if self._alone is not None:
@@ -55,9 +58,7 @@ class ForkStarter(Starter):
         kernel_preload().after_launch()  # in the background: the next launch's ranks inherit it
 
     def ready_next(self) -> None:
-        if kernel_preload().busy:
-            with cells().parked():  # the caller waits in here: this process may import meanwhile
-                kernel_preload().wait_loaded()
+        kernel_preload().wait_loaded()
 
 
 def fork_ranks(each: list[WorkerSettings], function: Callable, args: tuple) -> list[WorkerProcess]:

@@ -1,6 +1,6 @@
 """Ranks forked by the launch server: the start of a launch that cannot fork from this process
 (CUDA already initialised here, or ``start_method="spawn"``), without a fresh interpreter each
-time, and warm (``launch/warm_start``).
+time, and warm (``launch/ahead``).
 
 :class:`ServerStarter` claims the ranks waiting on standby for this launch's shape, asks the
 server's best process for the others (``LaunchServer.source_for``), handing over each rank's pipe
@@ -22,17 +22,16 @@ from __future__ import annotations
 import os
 
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.base import Starter, start_each_rank
-from nblaunch.launch.starting.packing import Payload, package
-from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for, kill_and_reap
+from nblaunch.launch.processes import fdtable
+from nblaunch.launch.starting.base import Starter, rank_settings, start_each_rank
+from nblaunch.launch.processes.packing import Payload, package
+from nblaunch.launch.processes.processes import Pipes, WorkerProcess, handle_for, kill_and_reap
 from nblaunch.launch.starting.spawn import send_payload
-from nblaunch.launch.warm_start.cells import cells
-from nblaunch.launch.warm_start.launch_server import LaunchServer, launch_server
-from nblaunch.launch.warm_start.ledger import ledger
-from nblaunch.launch.warm_start.server_link import ServerLink
-from nblaunch.launch.warm_start.standby import ServerChild, Shape
-from nblaunch.launch.warm_start.stepping_aside import launches
+from nblaunch.launch.ahead.launch_server import LaunchServer, launch_server
+from nblaunch.launch.ahead.ledger import ledger
+from nblaunch.launch.ahead.server_link import ServerLink
+from nblaunch.launch.ahead.standby import ServerChild, Shape
+from nblaunch.launch.ahead.stepping_aside import launches
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
@@ -42,7 +41,7 @@ class ServerStarter(Starter):
     def __init__(self) -> None:
         self._payload: Payload | None = None
         self._shape: Shape | None = None
-        self._alone: bool | None = None  # this attempt runs, and whether alone (warm_start/stepping_aside)
+        self._alone: bool | None = None  # this attempt runs, and whether alone (ahead/stepping_aside)
         self._server: LaunchServer | None = None  # the one this attempt's ranks came from
 
     def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
@@ -57,33 +56,40 @@ class ServerStarter(Starter):
         if self._alone is None:
             self._alone = launches().began(plan)
         waiting = server.claim_standby(self._shape)
-        sources: list[ServerLink] = []  # where this attempt's ranks are forked: one, or a second if the first was dead
-        forked_from_it: list[int] = []  # the ranks forked from sources[-1]
+        try:
+            try:
+                workers = self._fork_every_rank(plan, environ, waiting, here, cwd)
+            except RuntimeError:
+                # A process of the server that died since the last launch (killed, out of memory;
+                # or dying now, and its generations with it) can be chosen before its reader has
+                # heard. Ask again, once, where the server is now (a new one if the base died): no
+                # rank had its function yet.
+                self._server = launch_server()
+                workers = self._fork_every_rank(plan, environ, {}, here, cwd)
+        finally:
+            kill_and_reap(list(waiting.values()))  # claimed, but never handed a launch
+        for worker, settings in zip(workers, rank_settings(plan, environ)):
+            send_payload(worker.ranks[0], settings, payload, memfds_on_the_socket=True)
+        return workers
+
+    def _fork_every_rank(self, plan: LaunchPlan, environ: dict[str, str], waiting: dict[int, WorkerProcess],
+                         here: dict[str, str], cwd: str) -> list[WorkerProcess]:
+        """A process for each rank, waiting for its function: a claimed one, or one forked by
+        the server's best process; none is left if one fails."""
+        source: list[ServerLink] = []
 
         def start_one(settings: WorkerSettings) -> WorkerProcess:
             worker = waiting.pop(settings.rank, None)
             if worker is None:
-                if not sources:
-                    sources.append(self._server.source_for(here))
-                try:
-                    worker = _fork_there(sources[-1], settings, here, cwd)
-                except RuntimeError:
-                    # A process of the server that died since the last launch (killed, out of
-                    # memory) can be chosen before its reader has heard: ask again, once, while
-                    # no rank of this attempt came from it. Ranks that did died with it.
-                    if sources[-1].alive or len(sources) > 1 or forked_from_it:
-                        raise
-                    self._server = launch_server()  # a new one if the base was what died
-                    sources.append(self._server.source_for(here))
-                    worker = _fork_there(sources[-1], settings, here, cwd)
-                forked_from_it.append(settings.rank)
-            send_payload(worker.ranks[0], settings, payload, memfds_on_the_socket=True)
+                source[:] = source or [self._server.source_for(here)]
+                worker = _fork_there(source[0], settings, here, cwd)
             return worker
 
-        try:
-            return start_each_rank(plan, environ, start_one)
-        finally:
-            kill_and_reap(list(waiting.values()))  # claimed, but never handed a launch
+        workers = start_each_rank(plan, environ, start_one)
+        if source and not self._server.runs(source[0]):  # its ranks die with it
+            kill_and_reap(workers)
+            raise RuntimeError(f"nblaunch's launch server ({source[0].name}) died as the ranks were forked")
+        return workers
 
     def release(self) -> None:
         if self._payload is not None:
@@ -98,11 +104,15 @@ class ServerStarter(Starter):
         if self._shape is not None and self._server is not None and self._server.alive:
             self._server.after_launch(self._shape)
 
+    def learned(self, imported: list[str]) -> None:
+        ledger().learn(imported)
+        if self._server is not None and self._server.alive:
+            self._server.warm_up_soon()  # a generation with it, on spare cores, while the ranks run
+
     def ready_next(self) -> None:
         server = self._server
         if server is not None and server.alive and server.lacks(ledger().for_server()):
-            with cells().parked():  # counts as idle for this process's own imports too
-                server.wait_warm()
+            server.wait_warm()
 
 
 def _fork_there(source: ServerLink, settings: WorkerSettings, here: dict[str, str], cwd: str) -> WorkerProcess:

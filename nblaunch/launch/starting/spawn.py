@@ -13,16 +13,15 @@ import threading
 
 from nblaunch import wire
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting import fdtable
+from nblaunch.launch.processes import fdtable
 from nblaunch.launch.starting.base import Starter, start_each_rank
-from nblaunch.launch.starting.packing import Payload, package
-from nblaunch.launch.starting.processes import Pipes, RankPipes, WorkerProcess, handle_for
+from nblaunch.launch.processes.packing import Payload, package
+from nblaunch.launch.processes.processes import PACKAGE_ROOT, Pipes, RankPipes, WorkerProcess, handle_for
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
 # The folder that holds the nblaunch package (three levels above this file): a spawned rank
 # imports this nblaunch, also where it is not installed (a clone on sys.path).
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 class SpawnStarter(Starter):

@@ -9,7 +9,7 @@ import cloudpickle
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter
-from nblaunch.launch.starting.processes import Pipes, WorkerProcess, fork_process
+from nblaunch.launch.processes.processes import Pipes, WorkerProcess, fork_process
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.xla_ranks import RankEnds, run_host
 

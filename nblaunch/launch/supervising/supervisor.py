@@ -23,9 +23,9 @@ from nblaunch.events import Event, Metrics, Output, Progress, RankDevice, RankFi
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes.packing import Payload
 from nblaunch.launch.supervising.gpu_usage import SAMPLE_EVERY_S, GpuSampler
-from nblaunch.launch.starting.processes import WorkerProcess
+from nblaunch.launch.processes.processes import WorkerProcess
 from nblaunch.launch.supervising.interrupts import interrupts_wait
 from nblaunch.launch.supervising import call_frames
 from nblaunch.launch.supervising.stall import StallReports
@@ -46,8 +46,10 @@ class Supervisor(StoppingRanks):
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
     def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
-                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0):
+                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0,
+                 learned: Callable[[list[str]], None] | None = None):
         self._emit = emit
+        self._learned = learned  # what a rank tells it imported, as it is told
         self._gpus = gpus  # each rank's GPU, sampled every SAMPLE_EVERY_S for its row
         self._next_sample = 0.0
         self._timeout = timeout
@@ -311,7 +313,10 @@ class Supervisor(StoppingRanks):
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
         elif kind == wire.IMPORTED:
-            rank.imported = pickle.loads(body)
+            names = pickle.loads(body)
+            rank.imported += names
+            if self._learned is not None:
+                self._learned(names)
 
     def _fail(self, rank: WatchedRank, failure: RankFailure) -> None:
         if self._stopping_on_request and failure.collateral:

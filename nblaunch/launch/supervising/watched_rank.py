@@ -10,7 +10,7 @@ from typing import Any
 
 from nblaunch import wire
 from nblaunch.contract.failure import RankFailure
-from nblaunch.launch.starting.processes import RankPipes, WorkerProcess
+from nblaunch.launch.processes.processes import RankPipes, WorkerProcess
 
 LOG_TAIL = 20  # lines kept to explain a rank that died without a report
 
@@ -30,7 +30,7 @@ class WatchedRank:
         self.failure: RankFailure | None = None  # its failed_at orders a launch's failures
         self.finished = False
         self.busy = True  # running its function or a call (a warm rank between calls is not)
-        self.imported: list[str] = []  # the installed libraries it imported, told at its end
+        self.imported: list[str] = []  # the installed libraries it imported, told as it goes
 
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")

@@ -26,7 +26,7 @@ from nblaunch.training.runtime.state import DistributedType
 from nblaunch.training.step import profiling
 from nblaunch.training.step.accumulation import Accumulate
 from nblaunch.training.step.optim import AcceleratedOptimizer
-from nblaunch.worker.pool import cell_stop
+from nblaunch.worker.warm import cell_stop
 
 __all__ = ["TrainingStepMethods"]
 

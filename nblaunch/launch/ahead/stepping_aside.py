@@ -24,12 +24,12 @@ import contextlib
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import Iterator, Protocol
 
+from nblaunch.launch.planning.plan import LaunchPlan
+from nblaunch.per_process import per_process
 from nblaunch.worker.calls import serve_calls
 
-if TYPE_CHECKING:  # the planner asks this module (through kernel_preload): no import of it at run time
-    from nblaunch.launch.planning.plan import LaunchPlan
 
 FREE_CORES_WANTED = 2  # a launch leaving fewer than this many cores free runs alone
 
@@ -76,7 +76,7 @@ class Launches:
         self._under_way = 0  # every launch
         self._pausable: list[Pausable] = []
 
-    def began(self, plan: "LaunchPlan") -> bool:
+    def began(self, plan: LaunchPlan) -> bool:
         """A launch of ``plan`` starts (``ended`` must follow); True if it runs alone."""
         alone = plan.request.function is not serve_calls and cores_left(plan.num_processes) < FREE_CORES_WANTED
         with self._changed:
@@ -128,17 +128,4 @@ class Launches:
                     pausable.resume()  # no longer ours to hold
 
 
-_launches = Launches()
-
-
-def launches() -> Launches:
-    """This process's register."""
-    return _launches
-
-
-def _forget_in_child() -> None:
-    global _launches
-    _launches = Launches()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+launches = per_process(Launches)

@@ -26,9 +26,9 @@ import threading
 import time
 from typing import Callable
 
-from nblaunch import wire
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.processes import Pipes
+from nblaunch import proctree, wire
+from nblaunch.launch.processes import fdtable
+from nblaunch.launch.processes.processes import Pipes
 
 _KILLED = -9  # the exit code of a rank whose server died before reporting it: it died with it
 
@@ -65,6 +65,12 @@ class ServerLink:
     @property
     def alive(self) -> bool:
         return not self._dead
+
+    @property
+    def running(self) -> bool:
+        """``alive``, asked of the machine now: its reader hears of a death a moment late (a
+        process killed just before a launch, or a generation dying with its parent)."""
+        return not self._dead and self._exit_status() is None and proctree.running(self.pid)
 
     @property
     def ready(self) -> bool:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from nblaunch.contract.variables import PRELOAD
 from nblaunch.facts.installed import installed_modules, top_level
+from nblaunch.per_process import per_process
 from nblaunch.server.loading import CUDA
 
 TRUSTED = ("torch._dynamo", "nblaunch.training")  # torch imports the first when an optimizer is built
@@ -166,17 +167,4 @@ def _stamp(path: str) -> Stamp | None:
     return path, status.st_ino, status.st_mtime_ns
 
 
-_ledger = Ledger()
-
-
-def ledger() -> Ledger:
-    """This process's ledger."""
-    return _ledger
-
-
-def _forget_in_child() -> None:
-    global _ledger
-    _ledger = Ledger()  # a rank's own launches learn for themselves
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+ledger = per_process(Ledger)  # a rank's own launches learn for themselves

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Protocol, runtime_checkable
 
 from nblaunch import proctree, wire
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.forking_thread import run_on_forking_thread
-from nblaunch.launch.starting.packing import Payload
+from nblaunch.launch.processes import fdtable
+from nblaunch.launch.processes.forking_thread import run_on_forking_thread
+from nblaunch.launch.processes.packing import Payload
 
 # Python 3.12+ warns at every fork in a threaded process; a Jupyter kernel always has threads.
 # The child runs only our bootstrap and the user's function, the same bet torch.multiprocessing's
@@ -34,6 +34,9 @@ from nblaunch.launch.starting.packing import Payload
 # two concurrent launches left the user's filters changed for good.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module=re.escape(__name__) + "$")
 
+# The folder nblaunch is in: a fresh interpreter of ours (a spawned rank, the launch server's base)
+# finds it on its path whether or not nblaunch is installed.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _F_SETPIPE_SZ = 1031  # Linux: bigger pipes mean fewer wake-ups for chatty ranks and big results
 _PIPE_SIZE = 1 << 20
 
@@ -105,7 +108,7 @@ class WorkerProcess:
     returncode: int | None = None
     killed_by_launcher: bool = False
     cleaned: bool = False  # it said it stopped everything it had started (wire.CLEANED)
-    began: str = ""  # how it began warm, for its row (a rank that waited on standby: launch/warm_start)
+    began: str = ""  # how it began warm, for its row (a rank that waited on standby: launch/ahead)
     _open_fds: list[int] = field(default_factory=list)
 
     def poll(self) -> int | None:

@@ -1,6 +1,5 @@
-"""What nblaunch starts when a notebook imports it: it follows the kernel's cells (``cells``:
-the kernel imports ahead for its ranks only between them), and where a GPU is, the launch server,
-before a launch needs it.
+"""What nblaunch starts when a notebook imports it: where a GPU is, the launch server, before a
+launch needs it.
 
 In a notebook on a machine with a GPU, the kernel is likely to start CUDA (``torch.cuda.
 is_available()`` is enough), and every launch after that takes its ranks from the launch server.
@@ -19,23 +18,20 @@ import threading
 
 from nblaunch.facts.cuda import cuda_initialized
 from nblaunch.launch.planning.devices import cuda_device_count
-from nblaunch.launch.warm_start.cells import cells
-from nblaunch.launch.warm_start.launch_server import launch_server
-from nblaunch.launch.warm_start.ledger import enabled
+from nblaunch.launch.ahead.launch_server import launch_server
+from nblaunch.launch.ahead.ledger import enabled
 
 
 _thread: threading.Thread | None = None
 
 
 def start_early() -> None:
-    """In a notebook: follow its cells (``cells``: the kernel imports ahead only between them),
-    and start the launch server in the background where a launch could soon need it (see the
-    module). Cheap: the checks that cost run on the thread."""
+    """In a notebook: start the launch server in the background where a launch could soon need
+    it (see the module). Cheap: the checks that cost run on the thread."""
     global _thread
     shell = _kernel()
     if not sys.platform.startswith("linux") or not enabled() or shell is None:
         return
-    cells().watch(shell)
     _thread = threading.Thread(target=_start, name="nblaunch-early-start", daemon=True)
     _thread.start()
 
@@ -47,7 +43,7 @@ def wait_started(timeout: float | None) -> None:
 
 
 def _kernel() -> object | None:
-    """The IPython shell this process runs cells for, or None."""
+    """The IPython shell this process runs cells for, or None (a script launches at once)."""
     ipython = sys.modules.get("IPython")
     get_ipython = getattr(ipython, "get_ipython", None)
     return None if get_ipython is None else get_ipython()

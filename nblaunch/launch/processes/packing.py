@@ -28,7 +28,7 @@ from typing import Any
 import cloudpickle
 
 from nblaunch import wire
-from nblaunch.launch.starting import fdtable
+from nblaunch.launch.processes import fdtable
 
 _SHARE_MIN_BYTES = 1 << 20
 _SHARE_MAX_FILES = 256  # the launcher keeps one descriptor open per shared object

@@ -1,6 +1,6 @@
-"""What an import ahead writes, kept from the notebook: the kernel imports between cells
-(``kernel_preload``), and a warning or a banner it prints would land under the last cell the user
-ran, which did not ask for it (``TqdmExperimentalWarning`` under a launch's return value).
+"""What an import ahead writes, kept from the notebook: a warning or a banner printed as this
+process imports ahead (``kernel_preload``) would land under a cell that did not ask for it
+(``TqdmExperimentalWarning`` under a launch's return value).
 
 While the body runs, ``sys.stdout`` and ``sys.stderr`` write what this thread writes (a warning
 included: ``warnings`` writes to ``sys.stderr`` as it is shown) into the text kept, and what

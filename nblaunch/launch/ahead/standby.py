@@ -32,9 +32,9 @@ from nblaunch import wire
 from nblaunch.contract import variables as v
 from nblaunch.contract.variables import STANDBY
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.processes import Pipes, WorkerProcess, handle_for, kill_and_reap
-from nblaunch.launch.warm_start.ledger import Stamp
-from nblaunch.launch.warm_start.server_link import ServerLink
+from nblaunch.launch.processes.processes import Pipes, WorkerProcess, handle_for, kill_and_reap
+from nblaunch.launch.ahead.ledger import Stamp
+from nblaunch.launch.ahead.server_link import ServerLink
 
 CLAIM_WAIT_S = 30.0  # a rank answers once its GPU is ready and its import under way done (seconds)
 GONE_WAIT_S = 10.0  # released ranks are waited for, so their GPU memory is free before a launch

@@ -37,7 +37,7 @@ def collectives_refused(only: tuple[int, ...] | None) -> Iterator[None]:
     if only is None or dist is None or not dist.is_initialized():
         yield
         return
-    modules = [dist, sys.modules["torch.distributed.distributed_c10d"]]
+    modules = [dist, dist.distributed_c10d]  # loaded with torch.distributed, which re-exports its functions
     saved = [(m, name, getattr(m, name)) for m in modules for name in _COLLECTIVES if hasattr(m, name)]
     for module, name, original in saved:
         setattr(module, name, _refused(name, original, only))

@@ -18,11 +18,11 @@ import sys
 import time
 
 from nblaunch.contract.variables import PRELOAD, STANDBY
-from nblaunch.launch.warm_start import early_start, standby
-from nblaunch.launch.warm_start.cells import cells
-from nblaunch.launch.warm_start.kernel_preload import kernel_preload
-from nblaunch.launch.warm_start.launch_server import running_server
-from nblaunch.launch.warm_start.ledger import ledger
+from nblaunch.launch.ahead import early_start, standby
+from nblaunch.launch.ahead.caller import caller
+from nblaunch.launch.ahead.kernel_preload import kernel_preload
+from nblaunch.launch.ahead.launch_server import running_server
+from nblaunch.launch.ahead.ledger import ledger
 
 _NAMED = 8  # packages named before "(+N more)"
 
@@ -102,7 +102,7 @@ def warm_start(wait: float | None = 0) -> WarmStart:
     if wait != 0:
         started = time.monotonic()
         early_start.wait_started(wait)
-        with cells().parked():  # this process imports ahead meanwhile, even inside a cell
+        with caller().parked():  # this process imports ahead meanwhile, even inside a cell
             kernel_preload().wait(wait)
         server = running_server()
         if server is not None:

@@ -1,33 +1,27 @@
-"""Forked ranks inherit what earlier ranks imported: the kernel imports it between its cells.
+"""Forked ranks inherit what earlier ranks imported: this process imports it at a launch's end.
 
-After a fork launch, the libraries its ranks imported that this process has not imported are
-imported here, on a thread of their own (``nblaunch-preload``), one package at a time and only
-while the caller is idle (``cells``: between cells, or parked at the end of a launch that blocks
-it; a cell importing the same library meanwhile would get it half initialised; a cell that begins
-waits for the package under way), so the next launch's ranks are forked with them loaded: a
-launch that blocks its caller (a cell, a loop in one, a script) returns once they are
-(``wait_loaded``). Where an NVIDIA GPU is, a probe goes first: a
-fork of this process imports the same packages and says what each did (``server/loading``); a
-package that starts CUDA is never imported here (every later launch of the kernel would have to
-go through the launch server). Everything else was proven by the ranks themselves: they are
-forks of this process, and they imported it to the end. What is imported here is imported as if
-the user had: a library that starts a thread, or reads ``RANK`` at import, does here what it
-would do in a cell, except that what it writes (a warning, a banner) is kept for
-``nblaunch.warm_start()`` rather than shown under the last cell (``kept_output``).
+After a fork launch, the libraries its ranks imported that this process has not are imported
+here, on a thread of its own (``nblaunch-preload``), one package at a time and only while the
+caller is parked (``caller``: it would get a library it imports meanwhile half initialised, and
+waits for the package under way when it goes on). A launch that blocks its caller (a cell, a loop
+inside one, a script) returns once they are loaded (``wait_loaded``), so the next launch's ranks
+are forked with them. Where an NVIDIA GPU is, a probe goes first: a fork of this process imports
+the same packages and says what each did (``server/loading``); a package that starts CUDA is
+never imported here (every later launch would have to go through the launch server). Everything
+else was proven by the ranks themselves, forks of this process. What is imported here is imported
+as if the user had (a library that starts a thread, or reads ``RANK`` at import, does here what it
+would do in a cell), except that what it writes is kept for ``nblaunch.warm_start()``
+(``kept_output``).
 
-A launch (of another cell, or ``block=False``) forks between two packages (``before_fork``): it
-waits for the package being imported, which the ranks imported before (seconds), but at most
-10 s; past that it forks anyway (a rank forked while a package was half imported forgets it and
-imports it itself: ``worker.inherited.forget_half_imported``) and the package is refused; so does
-a cell that begins. What the imports set in
-``os.environ`` is put back at once (only what this thread set: a cell's own changes meanwhile
-stay) and handed to the ranks.
+A launch forks between two packages (``before_fork``): it waits for the package being imported,
+but at most 10 s; past that it forks anyway (a rank forked while a package was half imported
+forgets it and imports it itself: ``worker.inherited.forget_half_imported``) and the package is
+refused. What the imports set in ``os.environ`` is put back at once and handed to the ranks.
 
-What was imported here is never taken back from this process (the user may use it), and a
-module cannot be imported twice in one process (numpy's, torch's). So where a package brought in
-here is stale, because it was installed anew since (``pip install -U``) or its import read a
-variable of ``os.environ`` that has changed since, the next launch is not forked
-(``stale_packages``: the planner starts it from the launch server instead, saying why).
+What was imported here is never taken back (the user may use it), and a module cannot be imported
+twice in one process. So where a package brought in here is stale (installed anew since, or its
+import read a variable that has changed since), the next launch is not forked
+(``stale_packages``: ``starting/choice`` starts it from the launch server instead, saying why).
 
 Example::
 
@@ -51,13 +45,14 @@ from typing import Iterator
 
 from nblaunch import wire
 from nblaunch.facts.cuda import cuda_initialized
+from nblaunch.launch.ahead.caller import caller
+from nblaunch.launch.ahead.kept_output import kept_output
+from nblaunch.launch.ahead.ledger import Stamp, changed, enabled, ledger, stamps
+from nblaunch.launch.ahead.stepping_aside import Paused, launches
 from nblaunch.launch.planning.devices import cuda_device_count
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.forking_thread import run_on_forking_thread
-from nblaunch.launch.warm_start.cells import cells
-from nblaunch.launch.warm_start.kept_output import kept_output
-from nblaunch.launch.warm_start.ledger import Stamp, changed, enabled, ledger, stamps
-from nblaunch.launch.warm_start.stepping_aside import Paused, launches
+from nblaunch.launch.processes import fdtable
+from nblaunch.launch.processes.forking_thread import run_on_forking_thread
+from nblaunch.per_process import per_process
 from nblaunch.server.loading import OK, load_package, packages_in_order
 from nblaunch.worker import lifeline
 from nblaunch.worker.inherited import forget_half_imported
@@ -81,16 +76,13 @@ class KernelPreload:
         self._loaded: list[str] = []  # every package imported here for the ranks, in order
         self._stamps: dict[str, Stamp | None] = {}
         self._said: dict[str, str] = {}  # what a package's import here wrote (kept_output)
-        self._watching = False  # cells begin by waiting for the package under way
 
     def after_launch(self) -> None:
-        """Import, in the background and only while the caller is idle (``cells``), what the
+        """Import, in the background and only while the caller is parked (``caller``), what the
         ranks imported that this process has not."""
         if not enabled() or cuda_initialized():
             return  # with CUDA started here, the launches go through the launch server instead
-        if not self._watching:
-            self._watching = True
-            cells().before_each_cell(self._wait_for_the_package_under_way)
+        caller().on_resume(self._wait_for_the_package_under_way)
         if self.busy:
             return
         names = ledger().for_kernel()
@@ -104,7 +96,7 @@ class KernelPreload:
         return self._thread is not None and self._thread.is_alive()
 
     def wait_loaded(self) -> None:
-        """On the caller's thread, parked (``cells().parked()``): wait until the imports under
+        """On the caller's thread, parked (``caller().parked()``): wait until the imports under
         way are done. A package still importing after ``WAIT_FOR_A_PACKAGE_S`` is refused and
         not waited for (it finishes in the background, or never)."""
         while self.busy:
@@ -181,11 +173,11 @@ class KernelPreload:
             packages = [(p, modules) for p, modules in packages if verdicts.get(p) == OK]
         for package, modules in packages:
             while True:
-                cells().wait_between()
+                caller().wait_parked()
                 launches().wait_turn()
                 self._importing.acquire()
-                if cells().between and not launches().alone:  # checked holding it: a cell that
-                    break                                     # begins now waits for this package
+                if caller().is_parked and not launches().alone:  # checked holding it: a caller
+                    break                                        # going on now waits for this package
                 self._importing.release()
             try:
                 if cuda_initialized():
@@ -290,17 +282,4 @@ def _kill(pid: int) -> None:
         pass
 
 
-_preload = KernelPreload()
-
-
-def kernel_preload() -> KernelPreload:
-    """This process's."""
-    return _preload
-
-
-def _forget_in_child() -> None:
-    global _preload
-    _preload = KernelPreload()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+kernel_preload = per_process(KernelPreload)

@@ -1,22 +1,15 @@
 """This process's launch server (``nblaunch.server``): where ranks come from when they cannot be
-forked here, and how they begin warm. The kernel's side of three kinds of process:
-
-- the **base** (``server/base_process``): started once, early where a GPU is (``early_start``), else by
-  the first launch that needs it; imports torch, never CUDA.
-- a **trusted generation**, forked by the base for this process's environment as it is: imports
-  what a first training step needs (``ledger.TRUSTED``: seconds, once).
-- a **full generation**, forked by the trusted one: imports this process's libraries and what
-  ranks imported (``ledger.for_server``), one package at a time; used once ready, never waited
-  for. A package that raises, starts CUDA or threads, or hangs (60 s) is refused (said once, at
-  the next launch) and a generation without it is asked for.
-
-A launch's ranks come from the full generation if it is ready and fits (this process's
-environment as it is now, its packages unchanged on disk), else the trusted one if ready, else
-the base: a launch never waits for a generation (a function that does not train would wait for
-nothing; one that trains imports what it needs itself); ranks waiting on
-standby for the launch's shape are claimed first (``standby``). After each launch a warm-up
-runs on a thread of its own: the generations for the environment as it is now, then ranks on
-standby for that launch's shape.
+forked here, and how they begin warm (docs/architecture.md, "A warm start"). The kernel's side of
+three kinds of process: the **base** (``server/base_process``: torch, never CUDA; started early
+where a GPU is, by ``early_start``), a **trusted generation** forked by it for this process's
+environment as it is (``ledger.TRUSTED``), and a **full generation** forked by that one, which
+imports this process's libraries and what ranks imported (``ledger.for_server``), one package at
+a time; a package that raises, starts CUDA or threads, or hangs (60 s) is refused and a
+generation without it is asked for. A launch's ranks come from the full generation if it is
+ready and fits (this process's environment as it is now, its packages unchanged on disk), else
+the trusted one, else the base; ranks waiting on standby for its shape are claimed first
+(``standby``). After each launch a warm-up runs on a thread of its own: the generations, then
+ranks on standby; a launch that blocks its caller returns once it is done (``lacks``).
 
 Example::
 
@@ -40,15 +33,15 @@ import threading
 import time
 
 from nblaunch import wire
-from nblaunch.launch.starting import fdtable
-from nblaunch.launch.starting.forking_thread import run_on_forking_thread
-from nblaunch.launch.starting.processes import WorkerProcess
-from nblaunch.launch.starting.spawn import PACKAGE_ROOT
-from nblaunch.launch.warm_start import standby
-from nblaunch.launch.warm_start.ledger import TRUSTED, Stamp, changed, enabled, ledger, stamps
-from nblaunch.launch.warm_start.server_link import ServerLink
-from nblaunch.launch.warm_start.stepping_aside import launches
 from nblaunch.facts.installed import top_level
+from nblaunch.launch.ahead import standby
+from nblaunch.launch.ahead.ledger import TRUSTED, Stamp, changed, enabled, ledger, stamps
+from nblaunch.launch.ahead.server_link import ServerLink
+from nblaunch.launch.ahead.stepping_aside import launches
+from nblaunch.launch.processes import fdtable
+from nblaunch.launch.processes.forking_thread import run_on_forking_thread
+from nblaunch.launch.processes.processes import PACKAGE_ROOT, WorkerProcess
+from nblaunch.per_process import per_process
 from nblaunch.server.loading import OK
 
 READY_BACKSTOP_S = 300.0  # importing torch takes seconds; a base that never gets there is broken
@@ -113,7 +106,7 @@ class LaunchServer:
 
     @property
     def alive(self) -> bool:
-        return self._base.alive
+        return self._base.running
 
     @property
     def base(self) -> ServerLink:
@@ -143,9 +136,20 @@ class LaunchServer:
             full, trusted = self._full, self._trusted
         for generation in (full, trusted):
             if (generation is not None and generation.link.ready and not generation.link.paused
-                    and generation.fits(environ)):
+                    and generation.fits(environ) and self.runs(generation.link)):
                 return generation.link
         return self._base
+
+    def runs(self, link: ServerLink) -> bool:
+        """Whether ``link``'s process and every one it descends from run now, none of them dying
+        (each dies with its parent): a launch right after one was killed forks from what is left."""
+        while link.running:
+            with self._lock:
+                link = next((g.parent for g in (self._trusted, self._full, *self._retiring)
+                             if g is not None and g.link is link), None)
+            if link is None:
+                return True  # the base's own
+        return False
 
     def claim_standby(self, shape: standby.Shape) -> dict[int, WorkerProcess]:
         """The ranks waiting for a launch of ``shape``, now the launch's ({} if none); ranks
@@ -364,31 +368,28 @@ def _kill(pid: int) -> None:
         pass
 
 
-_server: LaunchServer | None = None
-_server_lock = threading.Lock()
+class _Slot:
+    # A rank forked from here has no server: the socket is closed in it (fdtable), and a launch
+    # made inside the rank starts a server of its own.
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.server: LaunchServer | None = None
+
+
+_slot = per_process(_Slot)
 
 
 def launch_server() -> LaunchServer:
     """This process's launch server: the running one, or a new one."""
-    global _server
-    with _server_lock:
-        if _server is None or not _server.alive:
-            _server = LaunchServer()
-        return _server
+    slot = _slot()
+    with slot.lock:
+        if slot.server is None or not slot.server.alive:
+            slot.server = LaunchServer()
+        return slot.server
 
 
 def running_server() -> LaunchServer | None:
     """This process's launch server if one runs; never starts one."""
-    with _server_lock:
-        return _server if _server is not None and _server.alive else None
-
-
-def _forget_in_child() -> None:
-    # A rank forked from here has no server: the socket is closed in it (fdtable), and a launch
-    # made inside the rank starts a server of its own.
-    global _server, _server_lock
-    _server = None
-    _server_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+    slot = _slot()
+    with slot.lock:
+        return slot.server if slot.server is not None and slot.server.alive else None

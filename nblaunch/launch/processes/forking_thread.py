@@ -19,15 +19,14 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import queue
 import threading
 from typing import Callable, TypeVar
 
+from nblaunch.per_process import per_process
+
 T = TypeVar("T")
 
-_requests: queue.SimpleQueue | None = None
-_lock = threading.Lock()
 
 
 def run_on_forking_thread(work: Callable[[], T], undo: Callable[[T], None]) -> T:
@@ -51,13 +50,15 @@ def run_on_forking_thread(work: Callable[[], T], undo: Callable[[T], None]) -> T
     return result
 
 
-def _queue() -> queue.SimpleQueue:
-    global _requests
-    with _lock:
-        if _requests is None:
-            _requests = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(_requests,), name="nblaunch-forks", daemon=True).start()
-        return _requests
+def _new_queue() -> queue.SimpleQueue:
+    # In a fork, the child is the forking thread itself, busy for good in the rank's code: a
+    # launch made inside the rank gets a forking thread of its own (per_process forgets this one).
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_serve, args=(requests,), name="nblaunch-forks", daemon=True).start()
+    return requests
+
+
+_queue = per_process(_new_queue)
 
 
 def _serve(requests: queue.SimpleQueue) -> None:
@@ -67,15 +68,3 @@ def _serve(requests: queue.SimpleQueue) -> None:
             done.set_result(work())
         except BaseException as error:
             done.set_exception(error)
-
-
-def _forget_in_child() -> None:
-    # The child is the forking thread itself, busy for good in the rank's code: a launch made
-    # inside the rank needs a forking thread of its own.
-    global _requests, _lock
-    _requests = None
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)

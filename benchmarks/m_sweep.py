@@ -1,0 +1,79 @@
+"""13. A sweep (issue 52): 5 launches back to back of the function of ``m_rerun`` (scikit-learn
+imported inside, a small CNN, one AdamW step), 2 ranks, as a learning-rate sweep runs them: in a
+script (a fresh interpreter that imports torch and the launcher, then loops), through fork and
+through the launch server, and in one cell of a real Jupyter kernel. Each launch is timed from the
+call to its return. Raw ``torch.multiprocessing`` (fork) and Accelerate's ``notebook_launcher`` run
+the same loop in a script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks.common import have_accelerate, interleave, row
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHES = 5
+GOAL_LATER_S = 0.3
+IMPLS = {"nblaunch fork, script": ("nblaunch", None), "nblaunch server, script": ("nblaunch", "spawn"),
+         "raw, script": ("raw", None), "accelerate, script": ("accelerate", None),
+         "nblaunch fork, one cell": ("nblaunch", None)}
+
+
+def _loop(name: str) -> str:
+    impl, method = IMPLS[name]
+    options = f", start_method={method!r}" if method else ""
+    return (f"import sys, time, json\nsys.path.insert(0, {ROOT!r})\nimport torch\n"
+            + ("import nblaunch\n" if impl == "nblaunch" else "")
+            + "from benchmarks.m_rerun import small_cnn_step\nfrom benchmarks.workloads import run_launch\n"
+            f"taken = []\nfor _ in range({LAUNCHES}):\n    began = time.perf_counter()\n"
+            f"    run_launch({impl!r}, small_cnn_step{options})\n    taken.append(time.perf_counter() - began)\n"
+            "print('SWEEP ' + json.dumps(taken))\n")
+
+
+def _script(name: str) -> list[float]:
+    done = subprocess.run([sys.executable, "-c", _loop(name)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return _taken(done.stdout, done.stderr)
+
+
+def _one_cell(name: str) -> list[float]:
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(_loop(name))])
+    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": ROOT}}).execute()
+    outputs = notebook.cells[0].outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    errors = [f"{o.ename}: {o.evalue}" for o in outputs if o.output_type == "error"]
+    return _taken(text, errors[0] if errors else "")
+
+
+def _taken(stdout: str, stderr: str) -> list[float]:
+    for line in stdout.splitlines():
+        if line.startswith("SWEEP "):
+            return json.loads(line[len("SWEEP "):])
+    raise RuntimeError(f"no result: {stderr[-500:]}")
+
+
+def run(quick: bool = False, size: str | None = None) -> dict:
+    names = [n for n in IMPLS if not n.startswith("accelerate") or have_accelerate()]
+    rounds = 1 if quick else 2
+    done = interleave(rounds, {n: (lambda n=n: _one_cell(n) if n.endswith("one cell") else _script(n)) for n in names})
+    notes = [f"{name}: {len(errors)} failed: {errors[0]}" for name, errors in done["_errors"].items()]
+    rows = []
+    for name in names:
+        samples = [s for s in done[name] if s]
+        rows.append(row(name, "the first launch of the sweep", "s", [s[0] for s in samples]))
+        later = [max(s[1:]) for s in samples]
+        goal = met = None
+        if name.startswith("nblaunch"):
+            goal, met = f"<= {GOAL_LATER_S} s", bool(later) and max(later) <= GOAL_LATER_S
+        rows.append(row(name, f"the slowest of launches 2-{LAUNCHES}", "s", later, goal=goal, met=met))
+        rows.append(row(name, f"all {LAUNCHES} launches", "s", [sum(s) for s in samples]))
+    notes.append(f"{rounds} fresh interpreter(s) or kernel(s) per implementation, interleaved; 2 ranks; each launch "
+                 "timed from the call to its return")
+    return {"rows": rows, "notes": notes}

@@ -1,0 +1,1 @@
+"""The launcher's processes and their pipes (below the starters, importing nothing above)."""
