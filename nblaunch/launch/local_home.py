@@ -119,7 +119,7 @@ class LocalHome:
                 record.remove()
             try:  # the next launch's warm start: what these ranks imported, ranks on standby
                 self._imported = [] if supervisor is None else supervisor.imported
-                self._starter.after(plan, self._imported)
+                self._starter.after(plan)
             except Exception:  # noqa: BLE001  an optimisation only, never this launch's outcome
                 pass
 

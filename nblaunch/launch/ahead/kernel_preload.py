@@ -25,7 +25,7 @@ import read a variable that has changed since), the next launch is not forked
 
 Example::
 
-    kernel_preload().after_launch()          # a fork launch ended: import what its ranks did
+    kernel_preload().learned()               # ranks imported something: import it here too
     with kernel_preload().before_fork() as environ:
         ...fork the next launch's ranks...   # environ: what the imports set, for the ranks
 """
@@ -69,7 +69,8 @@ class KernelPreload:
         self._records = threading.Lock()  # what was imported: never held across an import (it may hang)
         self._current: str | None = None  # the package being imported
         self._since = 0.0  # when its import began (time.monotonic)
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # importing, until nothing learned is left
+        self._again = False  # something was learned since the thread last looked
         self._environ: dict[str, str] = {}  # what the imports set, for the ranks
         # The packages brought in here: what their import read ("*": all), and os.environ then.
         self._brought: dict[str, tuple[frozenset[str], dict[str, str]]] = {}
@@ -77,35 +78,32 @@ class KernelPreload:
         self._stamps: dict[str, Stamp | None] = {}
         self._said: dict[str, str] = {}  # what a package's import here wrote (kept_output)
 
-    def after_launch(self) -> None:
-        """Import, in the background and only while the caller is parked (``caller``), what the
-        ranks imported that this process has not."""
+    def learned(self) -> None:
+        """Ranks imported something (``ledger``): import it here too, in the background and only
+        while the caller is parked (``caller``), with whatever else they import meanwhile."""
         if not enabled() or cuda_initialized():
             return  # with CUDA started here, the launches go through the launch server instead
         caller().on_resume(self._wait_for_the_package_under_way)
-        if self.busy:
-            return
-        names = ledger().for_kernel()
-        if names:
-            self._thread = threading.Thread(target=self._load, args=(names,), name="nblaunch-preload", daemon=True)
-            self._thread.start()
+        with self._records:
+            self._again = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._load_learned, name="nblaunch-preload", daemon=True)
+                self._thread.start()
 
-    @property
-    def busy(self) -> bool:
-        """Whether imports for the ranks are under way (or waiting for the caller to be idle)."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait_loaded(self) -> None:
+    def wait_loaded(self, timeout: float | None = None) -> bool:
         """On the caller's thread, parked (``caller().parked()``): wait until the imports under
-        way are done. A package still importing after ``WAIT_FOR_A_PACKAGE_S`` is refused and
-        not waited for (it finishes in the background, or never)."""
-        while self.busy:
-            thread, current, since = self._thread, self._current, self._since
+        way are done; False if ``timeout`` passed first. A package still importing after
+        ``WAIT_FOR_A_PACKAGE_S`` is refused and not waited for (it ends in the background, or never)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (thread := self._thread) is not None:
+            current, since = self._current, self._since
             if current is not None and time.monotonic() - since > WAIT_FOR_A_PACKAGE_S:
                 ledger().refuse(current, f"its import here had not finished after {WAIT_FOR_A_PACKAGE_S:g} s")
-                return
-            if thread is not None:
-                thread.join(min(1.0, WAIT_FOR_A_PACKAGE_S))
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            thread.join(min(1.0, WAIT_FOR_A_PACKAGE_S))
+        return True
 
     def _wait_for_the_package_under_way(self) -> None:
         if self._acquire():
@@ -133,13 +131,6 @@ class KernelPreload:
             if held:
                 self._importing.release()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the imports under way are done; False if ``timeout`` passed first."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-        return thread is None or not thread.is_alive()
-
     def loaded(self) -> list[str]:
         """The packages imported here for the ranks, in order."""
         with self._records:
@@ -162,6 +153,19 @@ class KernelPreload:
                 if moved and package not in stale:
                     stale[package] = f"read {moved[0]} at import, which has changed"
         return stale
+
+    def _load_learned(self) -> None:
+        tried: set[str] = set()  # a module that would not import by its name stays not loaded
+        while True:
+            with self._records:
+                names = [n for n in ledger().for_kernel() if n not in tried]
+                if not names and not self._again:
+                    self._thread = None
+                    return
+                self._again = False
+            tried.update(names)
+            if names:
+                self._load(names)
 
     def _load(self, names: list[str]) -> None:
         packages = packages_in_order(names)

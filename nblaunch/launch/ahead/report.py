@@ -103,7 +103,7 @@ def warm_start(wait: float | None = 0) -> WarmStart:
         started = time.monotonic()
         early_start.wait_started(wait)
         with caller().parked():  # this process imports ahead meanwhile, even inside a cell
-            kernel_preload().wait(wait)
+            kernel_preload().wait_loaded(wait)
         server = running_server()
         if server is not None:
             server.wait_warm(None if wait is None else max(0.0, wait - (time.monotonic() - started)))

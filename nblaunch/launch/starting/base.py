@@ -8,7 +8,8 @@ attempt, for every process of the launch. Example::
     workers = starter.start(plan, environ)             # one WorkerProcess per rank (XLA: one host)
     ...
     starter.release()                                  # after the attempt, whatever happened
-    starter.after(plan, imported)                      # what its ranks imported, for the next launch
+    starter.learned(imported)                          # as its ranks tell what they imported
+    starter.after(plan)                                # after the attempt, whatever happened
     starter.ready_next()                               # the caller waits until the next one is warm
 """
 
@@ -48,11 +49,9 @@ class Starter(ABC):
         the next launch's ranks should find it loaded, so loading it may begin now."""
         ledger().learn(imported)
 
-    def after(self, plan: LaunchPlan, imported: list[str]) -> None:
-        """After an attempt, whatever happened: ``imported`` is what its ranks imported
-        (installed libraries, in order); the next launch's ranks should find it loaded. Runs on
-        the launch's thread, so it only starts what takes long."""
-        ledger().learn(imported)
+    def after(self, plan: LaunchPlan) -> None:
+        """After an attempt, whatever happened, on the launch's thread: start what readies the
+        next launch (it only starts what takes long)."""
 
     def ready_next(self) -> None:
         """On the caller's thread, parked (``ahead/caller``), after a launch that blocked it:

@@ -48,14 +48,12 @@ class ForkStarter(Starter):
 
     def learned(self, imported: list[str]) -> None:
         ledger().learn(imported)
-        kernel_preload().after_launch()  # while the caller is parked in the launch, on spare cores
+        kernel_preload().learned()  # while the caller is parked in the launch, on spare cores
 
-    def after(self, plan: LaunchPlan, imported: list[str]) -> None:
+    def after(self, plan: LaunchPlan) -> None:
         if self._alone is not None:
             launches().ended(self._alone)
             self._alone = None
-        ledger().learn(imported)
-        kernel_preload().after_launch()  # in the background: the next launch's ranks inherit it
 
     def ready_next(self) -> None:
         kernel_preload().wait_loaded()

@@ -14,7 +14,7 @@ Example::
     starter = ServerStarter()
     starter.environ_for_ranks(plan)          # starts the server if none runs (returns at once)
     workers = starter.start(plan, environ)   # one WorkerProcess per rank
-    starter.after(plan, imported)            # what the ranks imported: loaded for the next launch
+    starter.after(plan)                      # the server warms up for the next launch
 """
 
 from __future__ import annotations
@@ -96,8 +96,7 @@ class ServerStarter(Starter):
             fdtable.close(self._payload.fds)  # ranks that mapped the memory keep it
             self._payload = None
 
-    def after(self, plan: LaunchPlan, imported: list[str]) -> None:
-        ledger().learn(imported)
+    def after(self, plan: LaunchPlan) -> None:
         if self._alone is not None:
             launches().ended(self._alone)
             self._alone = None
