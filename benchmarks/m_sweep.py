@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks.common import have_accelerate, interleave, row
+from benchmarks.common import have_accelerate, interleave, pair_ratios, row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHES = 5
@@ -65,15 +65,25 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     done = interleave(rounds, {n: (lambda n=n: _one_cell(n) if n.endswith("one cell") else _script(n)) for n in names})
     notes = [f"{name}: {len(errors)} failed: {errors[0]}" for name, errors in done["_errors"].items()]
     rows = []
+    per_round = {name: [s if s else None for s in done[name]] for name in names}
+
+    def versus(name: str, pick) -> dict | None:  # each nblaunch round against raw's same round
+        if not name.startswith("nblaunch") or "raw, script" not in per_round:
+            return None
+        mine, raw = ([pick(s) if s else None for s in per_round[n]] for n in (name, "raw, script"))
+        return {"vs raw": pair_ratios(mine, raw)}
+
     for name in names:
-        samples = [s for s in done[name] if s]
-        rows.append(row(name, "the first launch of the sweep", "s", [s[0] for s in samples]))
+        samples = [s for s in per_round[name] if s]
+        rows.append(row(name, "the first launch of the sweep", "s", [s[0] for s in samples],
+                        ratios=versus(name, lambda s: s[0])))
         later = [max(s[1:]) for s in samples]
         goal = met = None
         if name.startswith("nblaunch"):
             goal, met = f"<= {GOAL_LATER_S} s", bool(later) and max(later) <= GOAL_LATER_S
-        rows.append(row(name, f"the slowest of launches 2-{LAUNCHES}", "s", later, goal=goal, met=met))
-        rows.append(row(name, f"all {LAUNCHES} launches", "s", [sum(s) for s in samples]))
+        rows.append(row(name, f"the slowest of launches 2-{LAUNCHES}", "s", later, goal=goal, met=met,
+                        ratios=versus(name, lambda s: max(s[1:]))))
+        rows.append(row(name, f"all {LAUNCHES} launches", "s", [sum(s) for s in samples], ratios=versus(name, sum)))
     notes.append(f"{rounds} fresh interpreter(s) or kernel(s) per implementation, interleaved; 2 ranks; each launch "
                  "timed from the call to its return")
     return {"rows": rows, "notes": notes}
