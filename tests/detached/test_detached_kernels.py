@@ -115,8 +115,12 @@ def _start_in_a_kernel_then_kill_it(state_dir: str, call: str) -> str:
     """Kernel A starts the detached launch ``call``; once both ranks printed, A is SIGKILLed."""
     kernel = Kernel(state_dir)
     try:
-        shown = kernel.run(TRAIN + f"launch = {call}\nprint('id', launch.launch_id)")
-        launch_id = re.search(r"^id (\w+)$", shown, re.M)[1]
+        # One write: the cell's watcher thread prints the launch's lines into the same stream, and a
+        # print() of several pieces could have one of them land inside this line.
+        shown = kernel.run(TRAIN + f"launch = {call}\nimport sys; sys.stdout.write(f'id {{launch.launch_id}}\\n')")
+        found = re.search(r"^id (\w+)$", shown, re.M)
+        assert found, f"the cell did not print the launch's id; it showed:\n{shown}"
+        launch_id = found[1]
 
         def both_ranks_printed() -> bool:
             log_dir = _state(state_dir, launch_id).get("log_dir")
