@@ -64,6 +64,7 @@ class Launch:
         self._status = "starting"
         self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
+        self._caller_waits = False  # run() on the caller's thread (not start()): it may import ahead meanwhile
         self.launch_id = uuid.uuid4().hex
         # Made on the caller's thread: a home may import for the ranks or check the cluster first.
         self._home = home
@@ -223,8 +224,9 @@ class Launch:
         raised; the caller then waits until the next launch's ranks will begin with what these
         imported (``RanksHome.ready_next``: a loop of launches re-runs warm). Call it, or
         ``start``, once."""
+        self._caller_waits = True
+        results = self._run()
         with caller().parked():  # the caller waits in nblaunch: this process may import ahead meanwhile
-            results = self._run()
             self._home.ready_next()
         return results
 
@@ -287,7 +289,12 @@ class Launch:
                 if self._cancel_requested:
                     watcher.cancel(self._cancel_as)
             try:
-                return watcher.run()
+                if not self._caller_waits:
+                    return watcher.run()
+                # Parked only once the ranks are started: an import ahead left from an earlier
+                # launch never runs beside this one's forks.
+                with caller().parked():
+                    return watcher.run()
             except LaunchTimeoutError as error:
                 figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
                 raise LaunchTimeoutError(figure, error.stacks) from None

@@ -68,8 +68,8 @@ def attach_streams(stdout_fd: int, stderr_fd: int,
     (new_out, counted), new_err = _adaptive_stream(1), line_stream(2)
     _keep_flushing(new_out, counted)
     replacement = {
-        id(sys.stdout): new_out, id(sys.__stdout__): new_out,
-        id(sys.stderr): new_err, id(sys.__stderr__): new_err,
+        id(sys.stdout): new_out, id(sys.__stdout__): new_out, id(_stood_in_for(sys.stdout)): new_out,
+        id(sys.stderr): new_err, id(sys.__stderr__): new_err, id(_stood_in_for(sys.stderr)): new_err,
     }
     sys.stdin = open(os.devnull)
     sys.stdout = sys.__stdout__ = new_out
@@ -145,7 +145,8 @@ def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
     originals), with its logger's name. The launcher asks before it forks: there, reading every
     logger (a kernel with torch has over a hundred) costs nothing, while a forked rank that read
     them all would copy each page they sit on, 2 ms of every rank's start."""
-    streams = {id(sys.stdout), id(sys.__stdout__), id(sys.stderr), id(sys.__stderr__)}
+    streams = {id(s) for s in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__,
+                                _stood_in_for(sys.stdout), _stood_in_for(sys.stderr))}
     found = []
     loggers = [logging.getLogger()] + [
         lg for lg in list(logging.Logger.manager.loggerDict.values()) if isinstance(lg, logging.Logger)
@@ -160,6 +161,12 @@ def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
             except Exception:
                 continue  # a stream that cannot even be read is not one of ours
     return found
+
+
+def _stood_in_for(stream: object) -> object:
+    """The stream ``stream`` stands in for while the launcher imports ahead (``launch/ahead/
+    kept_output``: a fork meanwhile inherits the stand-in), or ``stream`` itself."""
+    return getattr(stream, "stands_in_for", stream)
 
 
 def _repoint_logging_handlers(replacement: dict[int, TextIO], handlers: list[tuple[logging.Handler, str]]) -> list[str]:

@@ -28,6 +28,7 @@ class _ThisThreadKept:
 
     def __init__(self, shown: TextIO, kept: io.StringIO, thread: threading.Thread) -> None:
         self._shown, self._kept, self._thread = shown, kept, thread
+        self.stands_in_for = shown  # a fork meanwhile finds the logging handlers that write to it
 
     def write(self, text: str) -> int:
         if threading.current_thread() is self._thread:
