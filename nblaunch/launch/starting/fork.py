@@ -12,7 +12,6 @@ from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.starting.base import Starter, rank_settings
 from nblaunch.launch.processes.processes import Pipes, WorkerProcess, fork_processes
 from nblaunch.launch.ahead.kernel_preload import kernel_preload
-from nblaunch.launch.ahead.ledger import ledger
 from nblaunch.launch.ahead.stepping_aside import launches
 from nblaunch.preimport import import_for_ranks
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
@@ -47,7 +46,7 @@ class ForkStarter(Starter):
             return fork_ranks(rank_settings(plan, dict(preloaded, **environ)), request.function, request.args)
 
     def learned(self, imported: list[str]) -> None:
-        ledger().learn(imported)
+        super().learned(imported)
         kernel_preload().learned()  # while the caller is parked in the launch, on spare cores
 
     def after(self, plan: LaunchPlan) -> None:

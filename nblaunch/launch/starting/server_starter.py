@@ -104,7 +104,7 @@ class ServerStarter(Starter):
             self._server.after_launch(self._shape)
 
     def learned(self, imported: list[str]) -> None:
-        ledger().learn(imported)
+        super().learned(imported)
         if self._server is not None and self._server.alive:
             self._server.warm_up_soon()  # a generation with it, on spare cores, while the ranks run
 
