@@ -156,7 +156,7 @@ def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
             if not isinstance(handler, logging.StreamHandler):
                 continue
             try:
-                if id(handler.stream) in streams:
+                if id(_stood_in_for(handler.stream)) in streams:
                     found.append((handler, logger.name))
             except Exception:
                 continue  # a stream that cannot even be read is not one of ours
@@ -165,8 +165,12 @@ def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
 
 def _stood_in_for(stream: object) -> object:
     """The stream ``stream`` stands in for while the launcher imports ahead (``launch/ahead/
-    kept_output``: a fork meanwhile inherits the stand-in), or ``stream`` itself."""
-    return getattr(stream, "stands_in_for", stream)
+    kept_output``), or ``stream`` itself. A fork made meanwhile inherits the stand-in as
+    ``sys.stderr``, and a handler made meanwhile keeps it after the import is done."""
+    # Its own attribute only: a stream whose __getattr__ answers anything (a mock) is itself.
+    while (shown := getattr(stream, "__dict__", {}).get("stands_in_for")) is not None:
+        stream = shown
+    return stream
 
 
 def _repoint_logging_handlers(replacement: dict[int, TextIO], handlers: list[tuple[logging.Handler, str]]) -> list[str]:
@@ -177,7 +181,7 @@ def _repoint_logging_handlers(replacement: dict[int, TextIO], handlers: list[tup
             stream = handler.stream
         except Exception:
             continue
-        new = replacement.get(id(stream))
+        new = replacement.get(id(_stood_in_for(stream)))
         if new is None:
             continue  # dill's _StderrHandler: its stream follows sys.stderr, already the new one
         try:
