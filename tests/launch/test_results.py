@@ -59,7 +59,11 @@ def test_each_worker_gets_its_share_of_the_cores():
 def test_the_user_choice_of_threads_is_left_alone(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     torch_threads = torch.get_num_threads()
-    threads = [r["threads"] for r in notebook_launcher(report_rank, args=(1,), num_processes=2, display="none")]
+    # Forked, as asked: by default a launch after an earlier test's ranks imported a library that
+    # reads OMP_NUM_THREADS (numpy's OpenBLAS) would start from the launch server, the variable
+    # having changed since this process loaded the library for them (CI's floor lane).
+    threads = [r["threads"] for r in notebook_launcher(report_rank, args=(1,), num_processes=2, display="none",
+                                                       start_method="fork")]
     assert threads == [torch_threads] * 2  # inherited from this process, not changed
 
 
