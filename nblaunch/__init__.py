@@ -15,7 +15,7 @@ Example::
     ranks.run(train)                            # [0, 1], on ranks that stay up for the next call
 """
 
-from nblaunch.api import Launch, attach, debug_launcher, launches, notebook_launcher, warm_start
+from nblaunch.api import Launch, attach, debug, debug_launcher, launches, notebook_launcher, warm_start
 from nblaunch.detached.detached_launch import DetachedLaunch, LaunchLostError
 from nblaunch.contract.failure import RankFailure, RemoteError
 from nblaunch.contract.version import __version__
@@ -107,6 +107,7 @@ __all__ = [
     "DataLoaderDispatcher",
     "LocalSGD",
     "debug_launcher",
+    "debug",
     "Launch",
     "WarmRanks",
     "progress",

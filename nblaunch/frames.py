@@ -17,7 +17,7 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["first_frames", "is_launcher_code", "is_python_machinery", "is_users", "name_cells", "where"]
+__all__ = ["cell_number", "first_frames", "is_launcher_code", "is_python_machinery", "is_users", "name_cells", "where"]
 
 _PACKAGE = os.path.dirname(os.path.realpath(__file__))
 _EXAMPLES = (os.path.join(_PACKAGE, "demo.py"),)  # the user's code when it runs
@@ -76,14 +76,14 @@ def name_cells(text: str) -> str:
     for the cells of this kernel (other frames as they are)."""
 
     def named(match: re.Match) -> str:
-        cell = _cell_number(match["path"])
+        cell = cell_number(match["path"])
         return match[0] if cell is None else f"{match['indent']}Cell In[{cell}], line {match['line']}"
 
     return re.sub(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line (?P<line>\d+)', named, text, flags=re.M)
 
 
 def _place(path: str, line: int) -> str:
-    cell = _cell_number(path)
+    cell = cell_number(path)
     if cell is not None:
         return f"Cell In[{cell}], line {line}"
     return f"{os.path.basename(path)}, line {line}"
@@ -92,7 +92,7 @@ def _place(path: str, line: int) -> str:
 _OLD_CELL = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")  # IPython 7's cell file names (Colab)
 
 
-def _cell_number(path: str) -> int | None:
+def cell_number(path: str) -> int | None:
     """The execution count of the notebook cell that ``path`` names, in this kernel."""
     old = _OLD_CELL.fullmatch(path)
     if old:

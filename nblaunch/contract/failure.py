@@ -17,14 +17,13 @@ Example::
 from __future__ import annotations
 
 import enum
-import io
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
-
 from nblaunch import frames
+from nblaunch.contract.bounded import bounded_pickle
+from nblaunch.contract.kept_frames import KeptFrame
 
 __all__ = ["Phase", "RankFailure", "RemoteError", "RemoteTraceback", "NOT_NUMBERED"]
 
@@ -85,6 +84,7 @@ class RankFailure:
     exitcode: int | None = None
     signal_name: str | None = None
     log_tail: list[str] = field(default_factory=list)  # last lines of its output, for crashes
+    frames: list[KeptFrame] = field(default_factory=list)  # where it raised in the function, for pdb
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -116,44 +116,6 @@ class RankFailure:
 _EXCEPTION_MAX_BYTES = 4 << 20  # beyond this, its type, message and traceback only
 
 
-class _TooBig(Exception):
-    pass
-
-
-class _BoundedBuffer(io.BytesIO):
-    """Refuses to grow past ``_EXCEPTION_MAX_BYTES``: a big bytes object or list is never
-    copied whole, the pickler stops at its first write past the limit."""
-
-    def write(self, data) -> int:
-        if self.tell() + memoryview(data).nbytes > _EXCEPTION_MAX_BYTES:
-            raise _TooBig
-        return super().write(data)
-
-
-class _BoundedPickler(cloudpickle.Pickler):
-    """Gives up before serialising a big tensor or array at all (their bytes would be made in
-    memory first, then written). By value, as cloudpickle does: a class from a notebook cell
-    is rebuilt on the other side."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        nbytes = getattr(obj, "nbytes", None)  # numpy arrays, torch tensors and storages
-        if callable(nbytes):
-            nbytes = nbytes()
-        if isinstance(nbytes, int) and nbytes > _EXCEPTION_MAX_BYTES:
-            raise _TooBig
-        return super().reducer_override(obj)
-
-
 def _pickled_exception(error: BaseException | None) -> bytes | None:
-    """The exception, pickled, if it is small and can be rebuilt; else None. Pickling runs the
-    exception's own code: whatever it raises, the record still goes."""
-    if error is None:
-        return None
-    out = _BoundedBuffer()
-    try:
-        _BoundedPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(error)
-        pickled = out.getvalue()
-        pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is no use
-        return pickled
-    except BaseException:
-        return None
+    """The exception, pickled, if it is small and can be rebuilt; else None."""
+    return None if error is None else bounded_pickle(error, _EXCEPTION_MAX_BYTES)

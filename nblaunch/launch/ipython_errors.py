@@ -3,8 +3,9 @@
 IPython's ``__tracebackhide__`` never hides the frame that raised, which for a launch's error
 is always nblaunch's own. So the launcher registers a handler for its error types
 (``set_custom_exc``) that shows them as IPython would, with every frame of nblaunch's package
-left out: the rank's own traceback, then the user's cell line and the headline. A handler
-someone else registered is left alone.
+left out: the rank's own traceback, then the user's cell line and the headline; then it makes
+the rank that raised what ``%debug`` opens (``post_mortem``). A handler someone else registered
+is left alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Iterator
 
 from nblaunch import frames
 from nblaunch.contract.failure import RemoteTraceback
+from nblaunch.launch import post_mortem
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError,
                                     RankFailedError)
 
@@ -39,6 +41,7 @@ def _show(shell: Any, etype: type, value: BaseException, tb: types.TracebackType
           tb_offset: int | None = None) -> None:
     with _rank_frames_as_cause(value):
         shell.showtraceback((etype, value, without_launcher_frames(tb)), tb_offset=tb_offset)
+    post_mortem.offer(value)  # %debug in the next cell opens the rank that raised
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import linecache
 import shlex
 from typing import Any
 
@@ -99,6 +100,8 @@ class DistributedMagics(Magics):
             raise LaunchConfigError(f"{_USAGE}: --ray or --slurm, not both")
         filename = f"<distributed cell {self._cells + 1}>"
         compile(cell, filename, "exec")  # a typo is reported here: it must not cost the ranks their state
+        # Its lines, here as in the ranks: a traceback and %debug's `ll` show them.
+        linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
         if options.stall_after is not None:
             check_stall_after(options.stall_after)
         cluster = "ray" if options.ray else "slurm" if options.slurm else None

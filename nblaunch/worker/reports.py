@@ -17,6 +17,7 @@ import traceback
 from types import TracebackType
 
 from nblaunch import frames, wire
+from nblaunch.contract import kept_frames
 from nblaunch.contract.failure import NOT_NUMBERED, Phase, RankFailure
 from nblaunch.worker import channel
 from nblaunch.worker.streams import flush_streams
@@ -83,20 +84,24 @@ def send_failure(error: BaseException, reason: str | None = None, *, phase: Phas
     channel.send(wire.ERROR, pickle.dumps(first), fd=fd)
     # Pickling the record pickles the exception, bounded (contract.failure): a big or broken one
     # leaves its type, message and traceback.
-    whole = dataclasses.replace(first, traceback=_bounded_text(format_traceback(error)), exception=error,
-                                complete=True)
+    whole = dataclasses.replace(failure_record(error, reason, phase=phase, hint=hint), failed_at=first.failed_at)
     channel.send(wire.ERROR, pickle.dumps(whole), fd=fd)
 
 
 def failure_record(error: BaseException, reason: str | None = None, *, phase: Phase = Phase.RUNNING,
                    hint: str = "", whole: bool = True) -> RankFailure:
     """The record of ``error``: whole (its exception, its traceback formatted from the user's code
-    on), or first (what and when only, which cannot stall)."""
+    on, and, where it raised in the user's function, its frames with their locals for the
+    debugger and the locals block that ends the traceback), or first (what and when only, which
+    cannot stall)."""
+    kept = kept_frames.keep(error.__traceback__) if whole and phase is Phase.RUNNING else []
+    block = kept_frames.locals_block(kept)
     return RankFailure(
         rank=NOT_NUMBERED,
         reason=reason or describe(error),
         exception=error if whole else None,
-        traceback=_bounded_text(format_traceback(error)) if whole else "",
+        traceback=_bounded_text(format_traceback(error) + (f"\n{block}\n" if block else "")) if whole else "",
+        frames=kept,
         complete=whole,
         phase=phase,
         type_name=f"{type(error).__module__}.{type(error).__qualname__}",

@@ -32,13 +32,23 @@ class KernelSession:
         self.cwd = cwd
 
     def run(self, code: str, *, interrupt_when: list[str] | None = None, interrupts: int = 1,
-            interrupt_after: float | None = None, timeout: float = 180) -> Ran:
+            interrupt_after: float | None = None, timeout: float = 180, answers: list[str] | None = None) -> Ran:
         """Run ``code``; interrupt the kernel once the files ``interrupt_when`` exist (or after
-        ``interrupt_after`` s), ``interrupts`` times in a row."""
+        ``interrupt_after`` s), ``interrupts`` times in a row; answer each prompt for input
+        (pdb's) with the next of ``answers``, as a person types them."""
         began = time.monotonic()
-        msg_id = self.kc.execute(code)
+        answers = list(answers or [])
+        msg_id = self.kc.execute(code, allow_stdin=bool(answers))
         ran, idle, interrupted = Ran(), False, interrupt_when is None and interrupt_after is None
         while not idle:
+            if answers:
+                try:
+                    request = self.kc.get_stdin_msg(timeout=0.01)
+                except Exception:
+                    request = None
+                if request is not None and request["msg_type"] == "input_request":
+                    ran.text += request["content"]["prompt"]
+                    self.kc.input(answers.pop(0))
             if not interrupted:
                 due = (all(os.path.exists(os.path.join(self.cwd, f)) for f in interrupt_when) if interrupt_when
                        else time.monotonic() - began >= interrupt_after)

@@ -1,0 +1,184 @@
+"""A failed rank's frames, kept for the debugger and for the failure's locals block.
+
+When a rank's function raises, the rank keeps its traceback's frames from the user's code
+inward (:func:`keep`): where each was (file, line, function) and its local variables. A value
+crosses whole where it pickles within ``VALUE_MAX_BYTES`` and lives on the CPU (a small tensor,
+a number, a list); otherwise a :class:`KeptValue` stands in for it, saying its type and, for a
+tensor, its shape, dtype, device and statistics (a GPU tensor never crosses: unpickling it would
+start CUDA in the notebook's process). The record travels inside the rank's ``RankFailure``;
+the launcher rebuilds real frames from it for pdb (``launch/post_mortem``), and shows the failing
+line's locals (:func:`locals_block`).
+
+Example::
+
+    frames = keep(error.__traceback__)
+    locals_block(frames)
+    # 'Locals of step (train.py, line 12):\\n  x      Tensor[3, 5] float32 cpu\\n  lr     float 0.1'
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import types
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from nblaunch import frames as frame_text
+from nblaunch.contract.bounded import bounded_pickle
+
+__all__ = ["KeptFrame", "KeptValue", "keep", "locals_block", "summary"]
+
+MAX_FRAMES = 40  # the innermost: a deep recursion keeps where it ended
+VALUE_MAX_BYTES = 1 << 20  # one local, pickled
+FRAMES_MAX_BYTES = 16 << 20  # all locals of all frames: past it, values are described only
+_STATS_MAX_ELEMENTS = 1 << 27  # a tensor larger than this is not read for its statistics
+_SUMMARY_CHARS = 80
+# Kept for pdb, left out of the locals block: a script's imports and definitions are not its state.
+_NOT_IN_THE_BLOCK = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
+
+
+@dataclass
+class KeptValue:
+    """Stands in for a local that did not cross whole: what it was, in words; a tensor's
+    ``shape``, ``dtype`` and ``device`` as the rank had them (``p x.shape`` reads them)."""
+
+    type_name: str
+    summary: str
+    shape: Any = None
+    dtype: Any = None
+    device: Any = None
+
+    def __repr__(self) -> str:
+        return f"<{self.summary}: not sent from the rank whole>"
+
+
+@dataclass
+class KeptFrame:
+    """One frame of a failed rank: where it was, and its locals (pickled, or stood in for)."""
+
+    filename: str
+    lineno: int
+    function: str
+    qualname: str
+    firstlineno: int
+    module: str  # its globals' __name__: where the debugger finds them in this process
+    kept: dict[str, bytes | KeptValue] = field(default_factory=dict)
+    summaries: dict[str, str] = field(default_factory=dict)  # the locals block's: "Tensor[3, 5] float32 cpu"
+
+    def values(self) -> dict[str, Any]:
+        """The locals as the rank had them, rebuilt here (a :class:`KeptValue` where one cannot be)."""
+        values = {}
+        for name, kept in self.kept.items():
+            if isinstance(kept, KeptValue):
+                values[name] = kept
+                continue
+            try:
+                values[name] = pickle.loads(kept)
+            except Exception:  # noqa: BLE001  a class only the rank could import
+                values[name] = KeptValue("?", self.summaries.get(name, "a value that cannot be rebuilt here"))
+        return values
+
+
+def keep(tb: TracebackType | None) -> list[KeptFrame]:
+    """The frames of ``tb`` from the user's code inward, with their locals (see the module)."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    while len(entries) > 1 and _before_user_code(entries[0].tb_frame.f_code.co_filename):
+        entries.pop(0)
+    budget = [FRAMES_MAX_BYTES]
+    return [_kept(entry, budget) for entry in entries[-MAX_FRAMES:]]
+
+
+def locals_block(kept: list[KeptFrame]) -> str:
+    """The failing line's locals in one compact block: the innermost frame of the user's own
+    code (else the innermost), a line per name; "" where there are none."""
+    if not kept:
+        return ""
+    own = [f for f in kept if frame_text.is_users(f.filename)]
+    frame = (own or kept)[-1]
+    if not frame.summaries:
+        return ""
+    width = min(max(len(name) for name in frame.summaries), 24)
+    lines = [f"  {name:<{width}}  {summary}" for name, summary in frame.summaries.items()]
+    where = f"{os.path.basename(frame.filename)}, line {frame.lineno}"
+    return f"Locals of {frame.function} ({where}):\n" + "\n".join(lines)
+
+
+def _before_user_code(path: str) -> bool:
+    return frame_text.is_launcher_code(path) or frame_text.is_python_machinery(path)
+
+
+def _kept(entry: TracebackType, budget: list[int]) -> KeptFrame:
+    frame, code = entry.tb_frame, entry.tb_frame.f_code
+    kept, summaries = {}, {}
+    for name, value in list(frame.f_locals.items()):
+        if name.startswith("__") and name.endswith("__"):
+            continue  # a module's own (__spec__, __builtins__): the script's frame holds them
+        said = summary(value)
+        if not isinstance(value, _NOT_IN_THE_BLOCK):
+            summaries[name] = said
+        pickled = None if _off_cpu(value) or budget[0] <= 0 else bounded_pickle(value, min(VALUE_MAX_BYTES, budget[0]))
+        if pickled is None:
+            kept[name] = _stand_in(value, said)
+        else:
+            kept[name] = pickled
+            budget[0] -= len(pickled)
+    return KeptFrame(
+        filename=code.co_filename, lineno=entry.tb_lineno, function=code.co_name,
+        qualname=getattr(code, "co_qualname", code.co_name), firstlineno=code.co_firstlineno,
+        module=str(frame.f_globals.get("__name__", "")), kept=kept, summaries=summaries,
+    )
+
+
+def summary(value: Any) -> str:
+    """A value in a few words: ``Tensor[3, 5] float32 cpu``, ``list (4 items)``, ``float 0.1``."""
+    try:
+        if _is_tensor(value):
+            shape = ", ".join(str(d) for d in value.shape)
+            return f"Tensor[{shape}] {str(value.dtype).removeprefix('torch.')} {value.device}"
+        shape = getattr(value, "shape", None)
+        if isinstance(shape, tuple) and hasattr(value, "dtype"):  # numpy arrays and their like
+            return f"{type(value).__name__}[{', '.join(str(d) for d in shape)}] {value.dtype}"
+        if isinstance(value, (bool, int, float, complex, str, bytes)) or value is None:
+            text = repr(value)
+            text = text if len(text) <= _SUMMARY_CHARS else text[:_SUMMARY_CHARS - 3] + "..."
+            return f"{type(value).__name__} {text}"
+        if isinstance(value, (list, tuple, dict, set, frozenset)):
+            return f"{type(value).__name__} ({len(value)} items)"
+        return type(value).__qualname__
+    except Exception:  # noqa: BLE001  a value whose attributes raise is still named
+        return type(value).__qualname__
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _off_cpu(value: Any) -> bool:
+    # A tensor elsewhere than the CPU never crosses: the notebook's process would start CUDA.
+    return _is_tensor(value) and value.device.type != "cpu"
+
+
+def _stand_in(value: Any, said: str) -> KeptValue:
+    if not _is_tensor(value):
+        return KeptValue(type(value).__qualname__, said)
+    return KeptValue("Tensor", said + _stats(value), shape=value.shape, dtype=value.dtype, device=value.device)
+
+
+def _stats(tensor: Any) -> str:
+    """``, min 0 max 1 mean 0.5`` of a floating tensor small enough to read ("" otherwise, or
+    where reading it fails: a device whose context a fault poisoned)."""
+    try:
+        if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.numel() > _STATS_MAX_ELEMENTS:
+            return ""
+        values = tensor.detach()
+        low, high, mean = (float(x) for x in (values.min(), values.max(), values.float().mean()))
+        return f", min {low:.4g} max {high:.4g} mean {mean:.4g}"
+    except Exception:  # noqa: BLE001
+        return ""

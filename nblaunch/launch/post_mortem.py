@@ -1,0 +1,173 @@
+"""``%debug`` on a failed rank: pdb at the frame where the rank raised, with its locals.
+
+A rank that raised in the user's function keeps its frames (``contract/kept_frames``). Here
+they become real frames again: for each, a line of code compiled under the rank's file name,
+function name and line numbers is run with the rank's locals, each calling the next with
+``exec`` (which adds no frame of its own), the innermost raising a copy of the rank's
+exception. The traceback that comes out reads as the rank's did, and pdb walks it: ``p``,
+``pp``, ``up``, ``down``, ``where``, ``ll`` (the source is this process's: a notebook's cells,
+the script's files). Globals are this process's module of the same name (the notebook's
+namespace for its cells), copied.
+
+When a launch's error is shown in IPython (``ipython_errors``), :func:`offer` makes the first
+rank that raised the one IPython's ``%debug`` opens. :func:`debug` opens another rank, or works
+outside IPython.
+
+Example::
+
+    notebook_launcher(train, num_processes=2)     # rank 1 raises
+    %debug                                        # (Pdb) p x.shape -> torch.Size([3, 5])
+    nblaunch.debug(rank=0)                         # another rank that raised
+"""
+
+from __future__ import annotations
+
+import copy
+import pdb
+import sys
+import types
+from typing import Any
+
+from nblaunch import frames
+from nblaunch.contract.failure import RankFailure
+from nblaunch.contract.kept_frames import KeptFrame
+from nblaunch.launch.errors import RankFailedError
+
+__all__ = ["debug", "offer", "rebuilt"]
+
+_NEXT, _ERROR = "__nblaunch_next__", "__nblaunch_error__"
+_offered: list[RankFailedError] = []  # the launch error last shown (and so last offered to %debug)
+
+
+def offer(error: BaseException) -> None:
+    """Make ``error``'s first rank that raised what IPython's ``%debug`` (and ``pdb.pm()``)
+    opens; nothing where no rank left frames (a rank killed by a signal)."""
+    if not isinstance(error, RankFailedError):
+        return
+    _offered[:] = [error]
+    failure = next((f for f in error.failures if f.frames), None)
+    if failure is not None:
+        _make_last(failure)
+
+
+def debug(error: BaseException | None = None, rank: int | None = None) -> None:
+    """Open pdb at the frame where ``rank`` (default: the first to raise) raised, in ``error``
+    (default: the launch error this process showed last).
+
+    Example::
+
+        nblaunch.debug(rank=1)
+        try:
+            notebook_launcher(train, num_processes=2)
+        except RankFailedError as error:
+            nblaunch.debug(error)
+    """
+    error = error if error is not None else _last_shown()
+    if not isinstance(error, RankFailedError):
+        print("nblaunch.debug: the last error was not a failed launch's: there is no rank to debug "
+              "(pass the RankFailedError you caught: nblaunch.debug(error))")
+        return
+    failure = _choose(error, rank)
+    if failure is None:
+        return
+    exception, head = _make_last(failure)
+    shell = _ipython()
+    if shell is not None:
+        shell.debugger(force=True)
+    else:
+        pdb.post_mortem(exception.__traceback__)
+
+
+def rebuilt(failure: RankFailure) -> tuple[BaseException, types.TracebackType]:
+    """A copy of ``failure``'s exception, raised through frames made like the rank's, and the
+    traceback it came out with (its first entry is this module's, as IPython expects its own
+    frame there); the copy's ``__traceback__`` starts at the rank's outermost frame."""
+    original = failure.exception or RuntimeError(failure.reason)
+    try:
+        error = copy.copy(original)
+    except Exception:  # noqa: BLE001  an exception that cannot be copied is raised as it is
+        error = original
+    error.__cause__ = error.__context__ = None
+    codes = [(_code(kept, last=i == len(failure.frames) - 1), _globals(kept), kept.values())
+             for i, kept in enumerate(failure.frames)]
+    for (_, globals_, _), following in zip(codes, codes[1:]):
+        globals_[_NEXT] = following
+    codes[-1][1][_ERROR] = error
+    try:
+        exec(*codes[0])
+    except BaseException as raised:  # noqa: BLE001
+        if raised is not error:
+            raise
+        head = raised.__traceback__
+    error.__traceback__ = head.tb_next
+    return error, head
+
+
+def _make_last(failure: RankFailure) -> tuple[BaseException, types.TracebackType]:
+    error, head = rebuilt(failure)
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, head
+    if sys.version_info >= (3, 12):
+        sys.last_exc = error
+    shell = _ipython()
+    if shell is not None and hasattr(shell, "InteractiveTB"):
+        shell.InteractiveTB.tb = head  # what IPython's debugger starts from, if set
+    return error, head
+
+
+def _choose(error: RankFailedError, rank: int | None) -> RankFailure | None:
+    raised = [f for f in error.failures if f.frames]
+    if rank is None:
+        if raised:
+            return raised[0]
+        first = error.failures[0]
+        print(f"nblaunch.debug: rank {first.rank} {first.reason}: it left no frames to debug")
+        return None
+    chosen = next((f for f in error.failures if f.rank == rank), None)
+    if chosen is None:
+        failed = ", ".join(str(f.rank) for f in error.failures)
+        print(f"nblaunch.debug: rank {rank} did not fail in this launch (these did: {failed})")
+        return None
+    if not chosen.frames:
+        print(f"nblaunch.debug: rank {rank} {chosen.reason}: it left no frames to debug")
+        return None
+    return chosen
+
+
+def _last_shown() -> BaseException | None:
+    last = getattr(sys, "last_value", None)
+    if _offered and last is not None and (last is _offered[0] or _is_offered_copy(last)):
+        return _offered[0]
+    return last
+
+
+def _is_offered_copy(value: BaseException) -> bool:
+    tb = value.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get(_ERROR) is value
+
+
+def _code(kept: KeptFrame, last: bool) -> types.CodeType:
+    """One line at the rank's line number, in a code object named and numbered as its function."""
+    first = kept.firstlineno if 0 < kept.firstlineno <= kept.lineno else 1
+    statement = f"raise {_ERROR}" if last else f"exec(*{_NEXT})"
+    code = compile("\n" * (kept.lineno - first) + statement, kept.filename, "exec")
+    named = code.replace(co_name=kept.function, co_firstlineno=first)
+    if sys.version_info >= (3, 11):
+        named = named.replace(co_qualname=kept.qualname)
+    return named
+
+
+def _globals(kept: KeptFrame) -> dict[str, Any]:
+    """The globals the frame's code sees here: a copy of this process's module of its name (the
+    notebook's namespace for a cell's code), or a bare one."""
+    shell = _ipython()
+    if shell is not None and (kept.module == "__main__" or frames.cell_number(kept.filename) is not None):
+        return dict(shell.user_ns)
+    module = sys.modules.get(kept.module)
+    return dict(vars(module)) if module is not None else {"__name__": kept.module}
+
+
+def _ipython() -> Any:
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
