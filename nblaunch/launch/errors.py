@@ -132,16 +132,24 @@ class LaunchTimeoutError(TimeoutError):
         return (type(self), (self.timeout, self.stacks))
 
 
-def failure_from_exit(rank: int, code: int, tail: list[str], cause: str | None = None) -> RankFailure:
+def failure_from_exit(rank: int, code: int, tail: list[str], cause: str | None = None,
+                      oom_killed: bool | None = None) -> RankFailure:
     """How rank ``rank`` failed, from its exit ``code``, the last lines it wrote and, where the
-    launcher knows it, what killed it (``cause``: its launch server died)."""
+    launcher knows it, what killed it (``cause``: its launch server died; ``oom_killed``: whether
+    the machine's count of out-of-memory kills rose during the launch, None where it cannot say)."""
     if code < 0:
         name = signal.Signals(-code).name
         reason = f"killed by {name}"
         if cause is not None:
             reason += f": {cause}"
         elif -code == signal.SIGKILL:
-            reason += " (most likely the out-of-memory killer: the machine ran out of memory)"
+            reason += {
+                True: ": the out-of-memory killer stopped it (this machine's count of out-of-memory kills rose "
+                      "during the launch): the ranks need less memory (a smaller batch or model, fewer ranks)",
+                False: " (not by the out-of-memory killer: this machine's count of its kills did not rise; "
+                       "the signal came from a process: the rank's own code, another program, a scheduler)",
+                None: " (the out-of-memory killer, or a process that sent it: this machine does not say which)",
+            }[oom_killed]
         return RankFailure(rank, reason, phase=Phase.ENDED, exitcode=code, signal_name=name, log_tail=tail)
     if code == 0:
         reason = "exited with code 0 without returning (os._exit in the function?)"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -69,12 +71,63 @@ def rank_one_is_killed():
     dist.barrier()
 
 
-def test_a_rank_killed_by_sigkill_is_named_with_the_likely_cause():
+def test_a_rank_killed_by_sigkill_is_not_blamed_on_the_out_of_memory_killer_the_machine_did_not_count():
     with pytest.raises(RankFailedError) as info:
         notebook_launcher(rank_one_is_killed, num_processes=2, display="none")
     root = info.value.root_cause
     assert root.rank == 1 and root.signal_name == "SIGKILL"
-    assert "out-of-memory" in root.reason
+    assert root.reason.startswith("killed by SIGKILL (not by the out-of-memory killer: this machine's count"), root.reason
+
+
+OUT_OF_MEMORY = """
+import os
+open(os.path.join({cgroup!r}, "cgroup.procs"), "w").write(str(os.getpid()))
+open("/proc/self/oom_score_adj", "w").write("-1000")  # the ranks, not this process, are chosen
+from nblaunch import RankFailedError, notebook_launcher
+
+def hog():
+    import time, torch
+    if os.environ["RANK"] == "1":
+        open("/proc/self/oom_score_adj", "w").write("1000")
+        chunks = []
+        while True:
+            chunks.append(torch.ones(16 * 2**20))  # 64 MiB, written
+    time.sleep(120)
+
+try:
+    notebook_launcher(hog, num_processes=2, display="none")
+except RankFailedError as error:
+    print("BLAMED", error.root_cause.rank, error.root_cause.reason)
+"""
+
+
+def test_a_rank_the_out_of_memory_killer_stopped_is_said_to_be(tmp_path):
+    cgroup = _memory_limited_cgroup(1 << 30)
+    try:
+        done = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY.format(cgroup=cgroup)], capture_output=True,
+                              text=True, timeout=180, cwd=tmp_path)
+    finally:
+        os.rmdir(cgroup)
+    assert "BLAMED 1 killed by SIGKILL: the out-of-memory killer stopped it" in done.stdout, (done.stdout, done.stderr)
+
+
+def _memory_limited_cgroup(limit: int) -> str:
+    """A memory cgroup of its own (v1) with ``limit`` bytes, beside this process's; skip where
+    this machine gives none (cgroup v2 only, or not root)."""
+    with open("/proc/self/cgroup") as lines:
+        own = next((line.split(":", 2)[2].strip() for line in lines if "memory" in line.split(":", 2)[1].split(",")),
+                   None)
+    parent = os.path.join("/sys/fs/cgroup/memory", (own or "").lstrip("/"))
+    path = os.path.join(parent, f"nblaunch-oom-test-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as limit_file:
+            limit_file.write(str(limit))
+    except OSError as error:
+        if os.path.isdir(path):
+            os.rmdir(path)
+        pytest.skip(f"no memory cgroup of its own can be made here ({error}): the out-of-memory kill needs one")
+    return path
 
 
 def rank_zero_exits():

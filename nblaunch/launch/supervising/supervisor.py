@@ -27,6 +27,7 @@ from nblaunch.launch.processes.packing import Payload
 from nblaunch.launch.supervising.gpu_usage import SAMPLE_EVERY_S, GpuSampler
 from nblaunch.launch.processes.processes import WorkerProcess
 from nblaunch.launch.supervising.interrupts import interrupts_wait
+from nblaunch.launch.supervising.oom_kills import OomKills
 from nblaunch.launch.supervising import call_frames
 from nblaunch.launch.supervising.stall import StallReports
 from nblaunch.launch.supervising.stopping import StoppingRanks
@@ -65,6 +66,7 @@ class Supervisor(StoppingRanks):
         self._stopping_on_request = False
         self._stacks_why = "stop"  # what the next STACKS frames answer
         self._stalls = StallReports(stall_after, emit, first_rank)
+        self._oom_kills = OomKills()  # a SIGKILL is blamed on the out-of-memory killer only if these rise
         self._call_sent = False  # a warm pool's call went out: the stall clock starts again
         # cancel() may come from any thread: it writes here to wake the select loop.
         self._wake_lock = threading.Lock()
@@ -348,7 +350,8 @@ class Supervisor(StoppingRanks):
             if process.killed_by_launcher or self._stopping_on_request:
                 self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
                 return
-            self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail), process.ended_because()))
+            oom_killed = self._oom_kills.rose() if code == -signal.SIGKILL else None
+            self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail), process.ended_because(), oom_killed))
         failure = rank.failure
         failure.exitcode = code
         if not failure.complete:
