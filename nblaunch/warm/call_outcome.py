@@ -47,8 +47,10 @@ def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: 
             state = RankState.STOPPED if _is_interrupt(failure) else RankState.FAILED
             shown.on_event(RankFinished(rank=rank, state=state, detail=detail))
     if settling.interrupted:
-        where = (f"every rank stopped at step {settling.stop_step}" if settling.stop_step is not None
-                 else "each rank stopped where it was")
+        # The agreed boundary is the backward pass of one more step than any rank began: every
+        # rank has taken one step fewer, which is what a loop's own counter reads.
+        where = (f"every rank stopped after {settling.stop_step - 1} training steps of this cell, as the next began "
+                 "its backward pass" if settling.stop_step is not None else "each rank stopped where it was")
         error: BaseException = LaunchInterrupted(f"the cell was interrupted: {where}; {_KEPT}")
         shown.on_event(LaunchFinished(RankState.STOPPED, elapsed, error=error,
                                       summary=f"interrupted after {elapsed:.2f} s: {where}; {_KEPT}"))

@@ -78,10 +78,12 @@ def test_an_interrupt_in_a_ddp_loop_stops_every_rank_at_the_same_step_ten_times_
             "    optimizer.zero_grad()\n"
             "    steps += 1"), interrupt_when=[f"{flag}.0", f"{flag}.1"])
         assert interrupted.error is not None and interrupted.error[0] == "LaunchInterrupted", (attempt, interrupted.text)
-        assert "every rank stopped at step" in interrupted.error[1], interrupted.error
+        said = re.search(r"every rank stopped after (\d+) training steps of this cell", interrupted.error[1])
+        assert said, interrupted.error
         after = kernel.run(cell("(steps, [p.detach().sum().item() for p in model.parameters()])"))
         (steps_0, weights_0), (steps_1, weights_1) = after.result
         assert steps_0 == steps_1 > done and weights_0 == weights_1, (attempt, after.result)
+        assert int(said[1]) == steps_0 - done, (attempt, interrupted.error)  # the cell's own counter agrees
         done = steps_0
     went_on = kernel.run(cell("for _ in range(3):\n    accelerator.backward(model(torch.randn(4, 8)).sum())\n"
                               "    optimizer.step()\n    optimizer.zero_grad()\n    steps += 1\nsteps"))

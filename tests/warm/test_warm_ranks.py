@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import threading
 import time
 
@@ -178,10 +179,12 @@ def test_an_interrupt_in_a_ddp_loop_stops_every_rank_at_the_same_step_ten_times_
     for attempt in range(10):
         flag = tmp_path / f"started{attempt}"
         interrupt_once_both_started(flag)
-        with pytest.raises(LaunchInterrupted, match="every rank stopped at step"):
+        with pytest.raises(LaunchInterrupted, match="every rank stopped after") as stopped:
             ranks.run(trains_for_ever, str(flag))
         (steps_0, weights_0), (steps_1, weights_1) = ranks.run(steps_and_weights)
         assert steps_0 == steps_1 > steps, attempt  # the same step on both, and training went on
+        said = int(re.search(r"stopped after (\d+) training steps", str(stopped.value))[1])
+        assert said == steps_0 - steps, (attempt, str(stopped.value))  # the loop's own counter agrees
         assert all(torch.equal(a, b) for a, b in zip(weights_0, weights_1)), attempt
         steps = steps_0
 

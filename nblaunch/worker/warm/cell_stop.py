@@ -71,7 +71,7 @@ def step_boundary() -> None:
         if stop:
             _state["stop_at"] = None
     if stop:
-        raise CellInterrupted(f"interrupted at step {_state['steps']}, as every rank was")
+        raise CellInterrupted(f"interrupted after {_state['steps'] - 1} training steps of this cell, as every rank was")
 
 
 def interrupt(request: tuple) -> None:
