@@ -85,6 +85,7 @@ class RankFailure:
     signal_name: str | None = None
     log_tail: list[str] = field(default_factory=list)  # last lines of its output, for crashes
     frames: list[KeptFrame] = field(default_factory=list)  # where it raised in the function, for pdb
+    device_lost: str = ""  # a warm rank's GPU failed after the error (what CUDA said): its context is gone
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

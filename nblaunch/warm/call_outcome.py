@@ -4,20 +4,23 @@ Every rank answered: with its value, or with the error its call raised. Values c
 list in rank order; errors are raised as a launch raises them (``RankFailedError``: the first
 rank's traceback, the others in one line each, the ranks a released collective failed marked as
 consequences), and an interrupted call raises ``LaunchInterrupted``, saying where the ranks
-stopped. Either way the ranks, their process group and what they hold stay.
+stopped. Either way the ranks, their process group and what they hold stay, unless a rank's GPU
+no longer works after its error: then the pool ends, saying so (``end_pool``), and the next call
+starts fresh ranks.
 
 Example::
 
-    results = finish_call(call, settling, shown, elapsed, only=None)
+    results = finish_call(call, settling, shown, elapsed, only=None, end_pool=pool.end)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable
 
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
-from nblaunch.launch.errors import LaunchInterrupted, RankFailedError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchInterrupted, RankFailedError
 
 _KEPT = "the warm ranks and what they hold stay"
 
@@ -34,8 +37,11 @@ def show_start(shown: Display, router: Any, function: Callable) -> None:
         shown.on_event(RankStarted(rank=rank, pid=pid))
 
 
-def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: tuple[int, ...] | None) -> list[Any]:
-    """Show the call's end in ``shown``; return its values, or raise its error."""
+def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: tuple[int, ...] | None,
+                end_pool: Callable[[str], None]) -> list[Any]:
+    """Show the call's end in ``shown``; return its values, or raise its error. A rank whose GPU
+    no longer works after its error (``RankFailure.device_lost``) ends the pool (``end_pool``):
+    every later cell would fail on it, and a process group cannot go on without one of its ranks."""
     ranks = [r for r in range(call.num_ranks) if only is None or r in only]
     failures = {r: f for r, f in call.failures.items() if r in ranks}
     for rank in ranks:
@@ -60,13 +66,36 @@ def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: 
         finished = [r for r in ranks if r in call.results]
         error = RankFailedError.blaming(in_time_order, {}, [], finished)
         root = error.root_cause
+        after = _KEPT
+        lost = next(((r, f) for r, f in sorted(failures.items()) if f.device_lost), None)
+        if lost is not None:
+            after = (f"rank {lost[0]}'s GPU no longer works in its process ({lost[1].device_lost}), so the warm ranks "
+                     "were ended (their process group cannot go on without it): what they held is gone, and the "
+                     "next cell starts fresh ones")
+            end_pool(f"rank {lost[0]}'s GPU no longer worked: {lost[1].device_lost}")
         shown.on_event(LaunchFinished(RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank,
-                                      summary=f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}; {_KEPT}"))
+                                      summary=f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}; {after}"))
         raise error
     results = [call.results[r] for r in ranks]
     shown.on_event(LaunchFinished(RankState.DONE, elapsed, results=results,
                                   summary=f"{_ranks_done(ranks, call.num_ranks)} done in {elapsed:.3f} s (warm)"))
     return results
+
+
+def raise_how_the_pool_ended(launch: Any, settling: Any, num_ranks: int, close_s: float) -> None:
+    """The pool ended during the call (a rank died, a timeout, an interrupt that could not stop
+    the ranks gently): raise what ended it, saying that what the ranks held is gone."""
+    try:
+        launch.result(timeout=close_s)  # raises the pool's error
+    except LaunchCancelledError as error:
+        if settling.interrupted:  # the user's interrupt ended them: a KeyboardInterrupt
+            raise LaunchInterrupted(f"{error}; the next cell starts fresh ones") from None
+        raise
+    except RankFailedError:
+        print(f"nblaunch: the warm ranks ended with this failure: what they held is gone; the next cell starts "
+              f"{num_ranks} fresh ones", file=sys.stderr)
+        raise
+    raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
 
 
 def _is_interrupt(failure: Any) -> bool:

@@ -13,6 +13,7 @@ reaped); the next call starts a fresh pool and says so in one line.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -30,13 +31,13 @@ from nblaunch.display import make_display
 from nblaunch.events import Display, RankState
 from nblaunch.homes import home_class
 from nblaunch.launch import ipython_errors
-from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.processes import fdtable
 from nblaunch.launch.processes.packing import Payload
-from nblaunch.warm.call_outcome import finish_call, show_start
+from nblaunch.warm.call_outcome import finish_call, raise_how_the_pool_ended, show_start
 from nblaunch.warm.call_router import CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
 from nblaunch.warm.pool_request import pool_home, pool_request
@@ -221,22 +222,16 @@ class WarmRanks:
                            packed, presses)
                 if call.ended is not None:
                     self._ended_with = call.ended.summary
-                    try:
-                        launch.result(timeout=_CLOSE_S)  # raises the pool's error
-                    except LaunchCancelledError as error:
-                        if settling.interrupted:  # the user's interrupt ended them: a KeyboardInterrupt
-                            raise LaunchInterrupted(f"{error}; the next cell starts fresh ones") from None
-                        raise
-                    raise RuntimeError("the warm ranks ended during the call")  # not reached: they ended for a reason
+                    raise_how_the_pool_ended(launch, settling, self._num_ranks, _CLOSE_S)
             finally:
                 router.end(call)
             # Interrupted: the cell ends with that; a press after the ranks came back (the stop
             # button pressed twice) must not cut its report or the group's re-forming short.
             try:
-                return finish_call(call, settling, shown, time.monotonic() - started, only)
+                return finish_call(call, settling, shown, time.monotonic() - started, only, end_pool=self._end_pool)
             finally:
                 shown.close()
-                if settling.released:  # each rank re-forms its group where it released it
+                if settling.released and self._ended_with is None:  # each rank re-forms its group where it released it
                     self._reform_group(launch)
         finally:
             presses.restore()
@@ -270,6 +265,12 @@ class WarmRanks:
         if presses.take():  # it came as the ranks finished: the cell is interrupted all the same
             settling.interrupted = True
 
+    def _end_pool(self, why: str) -> None:  # said once by the next call, which starts fresh ranks
+        self._ended_with = why
+        self._launch.cancel()
+        with contextlib.suppress(BaseException):
+            self._launch.result(timeout=_CLOSE_S)  # over before the next call looks
+
     def _reform_group(self, launch: Launch) -> None:
         """After a release: a fresh backend for the pool's group on every rank, or the pool ends."""
         try:
@@ -286,8 +287,8 @@ class WarmRanks:
         if self._launch is not None and self._ended_with is None:
             self._raise_how_the_ranks_ended_between_calls()
         if self._ended_with is not None:
-            print(f"nblaunch: the warm ranks had ended ({self._ended_with}); starting "
-                  f"{self._num_ranks} fresh ones: what the old ones held is gone", file=sys.stderr)
+            print(f"nblaunch: the warm ranks had ended ({self._ended_with}); starting {self._num_ranks} fresh "
+                  f"one{'s' * (self._num_ranks != 1)}: what the old ones held is gone", file=sys.stderr)
             self._ended_with = None
         router = CallRouter(self._num_ranks)
         self._home = pool_home(dataclasses.replace(self.request, display=router))

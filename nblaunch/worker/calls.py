@@ -40,7 +40,7 @@ from typing import Any, Callable
 from nblaunch import wire
 from nblaunch.contract import variables as v
 from nblaunch.worker import channel, payload
-from nblaunch.worker.warm import cell_stop, group
+from nblaunch.worker.warm import cell_stop, device_check, group
 from nblaunch.worker.warm.subset_guard import collectives_refused
 from nblaunch.worker.reports import describe, failure_record
 from nblaunch.worker.streams import flush_streams
@@ -117,6 +117,9 @@ def _serve_one(rank: int, body: bytes, shared: tuple[dict[int, int], list] | Non
 
 def _call_failure(error: BaseException) -> Any:
     failure = failure_record(error)
+    lost = device_check.lost_device()
+    if lost:  # the pool ends: every later cell would fail on this rank's device
+        failure = dataclasses.replace(failure, device_lost=lost)
     if _released:  # raised because the launcher released the group after another rank failed
         failure = dataclasses.replace(failure, collateral=True, reason=(
             f"let go of the collective it waited in, which a rank whose call raised would never join "

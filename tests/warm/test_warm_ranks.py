@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import RankFailedError
-from nblaunch.events import Stacks
+from nblaunch.events import LaunchFinished, RankState, Stacks
 from nblaunch.launch.errors import LaunchConfigError, LaunchInterrupted, LaunchTimeoutError
 from nblaunch.warm.ranks import WarmRanks
 
@@ -313,3 +313,45 @@ def test_the_ranks_are_a_process_group_from_the_first_call(ranks):
     assert ranks.run(accelerator_as_seen) == [(2, 0, True), (2, 1, True)]  # adopted, not made again
     with pytest.raises(RankFailedError, match="already form a process group"):
         ranks.run(asks_for, "nccl")
+
+
+def dies_in_the_call() -> None:
+    import signal
+
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_a_rank_that_dies_in_a_call_ends_the_pool_saying_so_and_the_next_call_starts_fresh(ranks, capfd):
+    pids = ranks.run(pid)
+    with pytest.raises(RankFailedError, match="rank 1 failed: killed by SIGKILL"):
+        ranks.run(dies_in_the_call)
+    assert "the warm ranks ended with this failure: what they held is gone" in capfd.readouterr().err
+    fresh = ranks.run(pid)  # no options restated
+    assert set(fresh).isdisjoint(pids) and "starting 2 fresh ones" in capfd.readouterr().err
+    assert ranks.run(pid) == fresh and "fresh" not in capfd.readouterr().err  # said once
+
+
+def loses_its_device() -> None:
+    # What CUDA answers after a device-side assert: the check itself needs a GPU (the GPU lane
+    # runs the real assert); here rank 1's check answers as it would there.
+    from nblaunch.worker.warm import device_check
+
+    if os.environ["RANK"] == "1":
+        device_check.lost_device = lambda: "AcceleratorError: CUDA error: device-side assert triggered"
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def test_a_rank_whose_gpu_no_longer_works_ends_the_pool_saying_why_and_the_next_call_starts_fresh(recorder, capfd):
+    with WarmRanks(num_processes=2, display=recorder) as pool:
+        pids = pool.run(pid)
+        with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: CUDA error: device-side assert"):
+            pool.run(loses_its_device)
+        [summary] = [e.summary for e in recorder.of(LaunchFinished) if e.state == RankState.FAILED]
+        assert ("rank 1's GPU no longer works in its process (AcceleratorError: CUDA error: device-side assert "
+                "triggered), so the warm ranks were ended") in summary and "what they held is gone" in summary
+        fresh = pool.run(pid)
+        assert set(fresh).isdisjoint(pids)
+        assert "the warm ranks had ended (rank 1's GPU no longer worked" in capfd.readouterr().err
+        assert pool.run(pid) == fresh
