@@ -29,7 +29,7 @@ from typing import Any
 from nblaunch import frames as frame_text
 from nblaunch.contract.bounded import bounded_pickle
 
-__all__ = ["KeptFrame", "KeptValue", "keep", "locals_block", "summary"]
+__all__ = ["KeptFrame", "KeptValue", "entries", "keep", "locals_block", "summary"]
 
 MAX_FRAMES = 40  # the innermost: a deep recursion keeps where it ended
 VALUE_MAX_BYTES = 1 << 20  # one local, pickled
@@ -84,14 +84,20 @@ class KeptFrame:
 
 def keep(tb: TracebackType | None) -> list[KeptFrame]:
     """The frames of ``tb`` from the user's code inward, with their locals (see the module)."""
-    entries = []
-    while tb is not None:
-        entries.append(tb)
-        tb = tb.tb_next
-    while len(entries) > 1 and _before_user_code(entries[0].tb_frame.f_code.co_filename):
-        entries.pop(0)
     budget = [FRAMES_MAX_BYTES]
-    return [_kept(entry, budget) for entry in entries[-MAX_FRAMES:]]
+    return [_kept(entry, budget) for entry in entries(tb)]
+
+
+def entries(tb: TracebackType | None) -> list[TracebackType]:
+    """The entries of ``tb`` that :func:`keep` keeps, outermost first (a warm rank keeps their
+    frames live, in this order, for the debugger's questions)."""
+    found = []
+    while tb is not None:
+        found.append(tb)
+        tb = tb.tb_next
+    while len(found) > 1 and _before_user_code(found[0].tb_frame.f_code.co_filename):
+        found.pop(0)
+    return found[-MAX_FRAMES:]
 
 
 def locals_block(kept: list[KeptFrame]) -> str:

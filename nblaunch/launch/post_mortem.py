@@ -11,7 +11,10 @@ namespace for its cells), copied.
 
 When a launch's error is shown in IPython (``ipython_errors``), :func:`offer` makes the first
 rank that raised the one IPython's ``%debug`` opens. :func:`debug` opens another rank, or works
-outside IPython.
+outside IPython. Warm ranks keep a failed call's frames live until their next call: there the
+debugger (:class:`RankPdb`, IPython's own with three commands changed) sends ``p``, ``pp`` and
+statements to the rank (the error's ``live_frames``), so they read and change the rank's values
+as they are now; after a launch they read the values the rank sent.
 
 Example::
 
@@ -23,19 +26,20 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import pdb
 import sys
 import types
-from typing import Any
+from typing import Any, Callable
 
 from nblaunch import frames
 from nblaunch.contract.failure import RankFailure
 from nblaunch.contract.kept_frames import KeptFrame
 from nblaunch.launch.errors import RankFailedError
 
-__all__ = ["debug", "offer", "rebuilt"]
+__all__ = ["debug", "offer", "rank_pdb_class", "rebuilt"]
 
-_NEXT, _ERROR = "__nblaunch_next__", "__nblaunch_error__"
+_NEXT, _ERROR, _LIVE = "__nblaunch_next__", "__nblaunch_error__", "__nblaunch_live__"
 _offered: list[RankFailedError] = []  # the launch error last shown (and so last offered to %debug)
 
 
@@ -47,7 +51,7 @@ def offer(error: BaseException) -> None:
     _offered[:] = [error]
     failure = next((f for f in error.failures if f.frames), None)
     if failure is not None:
-        _make_last(failure)
+        _make_last(failure, getattr(error, "live_frames", None))
 
 
 def debug(error: BaseException | None = None, rank: int | None = None) -> None:
@@ -70,18 +74,22 @@ def debug(error: BaseException | None = None, rank: int | None = None) -> None:
     failure = _choose(error, rank)
     if failure is None:
         return
-    exception, head = _make_last(failure)
+    exception, _ = _make_last(failure, getattr(error, "live_frames", None))
     shell = _ipython()
     if shell is not None:
         shell.debugger(force=True)
     else:
-        pdb.post_mortem(exception.__traceback__)
+        debugger = rank_pdb_class(pdb.Pdb)()
+        debugger.reset()
+        debugger.interaction(None, exception.__traceback__)
 
 
-def rebuilt(failure: RankFailure) -> tuple[BaseException, types.TracebackType]:
+def rebuilt(failure: RankFailure, live: Callable[[int, int, str, str], str | None] | None = None,
+            ) -> tuple[BaseException, types.TracebackType]:
     """A copy of ``failure``'s exception, raised through frames made like the rank's, and the
     traceback it came out with (its first entry is this module's, as IPython expects its own
-    frame there); the copy's ``__traceback__`` starts at the rank's outermost frame."""
+    frame there); the copy's ``__traceback__`` starts at the rank's outermost frame. ``live``:
+    how the debugger asks the rank about its frames where it still has them."""
     original = failure.exception or RuntimeError(failure.reason)
     try:
         error = copy.copy(original)
@@ -92,6 +100,9 @@ def rebuilt(failure: RankFailure) -> tuple[BaseException, types.TracebackType]:
              for i, kept in enumerate(failure.frames)]
     for (_, globals_, _), following in zip(codes, codes[1:]):
         globals_[_NEXT] = following
+    if live is not None:
+        for index, (_, globals_, _) in enumerate(codes):
+            globals_[_LIVE] = functools.partial(live, failure.rank, index)
     codes[-1][1][_ERROR] = error
     try:
         exec(*codes[0])
@@ -103,15 +114,51 @@ def rebuilt(failure: RankFailure) -> tuple[BaseException, types.TracebackType]:
     return error, head
 
 
-def _make_last(failure: RankFailure) -> tuple[BaseException, types.TracebackType]:
-    error, head = rebuilt(failure)
+def _make_last(failure: RankFailure, live: Callable[[int, int, str, str], str | None] | None,
+               ) -> tuple[BaseException, types.TracebackType]:
+    error, head = rebuilt(failure, live)
     sys.last_type, sys.last_value, sys.last_traceback = type(error), error, head
     if sys.version_info >= (3, 12):
         sys.last_exc = error
     shell = _ipython()
     if shell is not None and hasattr(shell, "InteractiveTB"):
-        shell.InteractiveTB.tb = head  # what IPython's debugger starts from, if set
+        shown = shell.InteractiveTB
+        shown.tb = head  # what IPython's debugger starts from, if set
+        if live is not None and not isinstance(shown.pdb, _RankPdbBase):  # %debug asks the live rank
+            shown.pdb = rank_pdb_class(shown.debugger_cls)()
     return error, head
+
+
+class _RankPdbBase:
+    """Marks the debuggers :func:`rank_pdb_class` made."""
+
+
+def rank_pdb_class(base: type) -> type:
+    """``base`` (IPython's debugger, or pdb's) with ``p``, ``pp`` and statements sent to the rank
+    where the current frame is a warm rank's that still has it; as ``base`` everywhere else."""
+
+    class RankPdb(base, _RankPdbBase):  # type: ignore[misc, valid-type]
+        def _ask(self, kind: str, source: str) -> str | None:
+            live = self.curframe.f_globals.get(_LIVE) if self.curframe is not None else None
+            return None if live is None else live(kind, source)
+
+        def do_p(self, arg: str) -> None:
+            said = self._ask("repr", arg)
+            return super().do_p(arg) if said is None else self.message(said)
+
+        def do_pp(self, arg: str) -> None:
+            said = self._ask("pformat", arg)
+            return super().do_pp(arg) if said is None else self.message(said)
+
+        def default(self, line: str) -> None:
+            said = self._ask("exec", line[1:] if line.startswith("!") else line)
+            if said is None:
+                return super().default(line)
+            if said:
+                self.message(said.rstrip("\n"))
+            return None
+
+    return RankPdb
 
 
 def _choose(error: RankFailedError, rank: int | None) -> RankFailure | None:

@@ -10,17 +10,19 @@ starts fresh ranks.
 
 Example::
 
-    results = finish_call(call, settling, shown, elapsed, only=None, end_pool=pool.end)
+    results = finish_call(call, settling, shown, elapsed, only=None, pool=warm_ranks)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from typing import Any, Callable
 
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
 from nblaunch.launch.errors import LaunchCancelledError, LaunchInterrupted, RankFailedError
+from nblaunch.worker.warm import failed_frames
 
 _KEPT = "the warm ranks and what they hold stay"
 
@@ -38,10 +40,11 @@ def show_start(shown: Display, router: Any, function: Callable) -> None:
 
 
 def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: tuple[int, ...] | None,
-                end_pool: Callable[[str], None]) -> list[Any]:
-    """Show the call's end in ``shown``; return its values, or raise its error. A rank whose GPU
-    no longer works after its error (``RankFailure.device_lost``) ends the pool (``end_pool``):
-    every later cell would fail on it, and a process group cannot go on without one of its ranks."""
+                pool: Any) -> list[Any]:
+    """Show the call's end in ``shown``; return its values, or raise its error, which the
+    debugger can ask about the failed ranks' live frames (``live_frames``). A rank whose GPU
+    no longer works after its error (``RankFailure.device_lost``) ends the ``pool``: every
+    later cell would fail on it, and a process group cannot go on without one of its ranks."""
     ranks = [r for r in range(call.num_ranks) if only is None or r in only]
     failures = {r: f for r, f in call.failures.items() if r in ranks}
     for rank in ranks:
@@ -72,7 +75,9 @@ def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: 
             after = (f"rank {lost[0]}'s GPU no longer works in its process ({lost[1].device_lost}), so the warm ranks "
                      "were ended (their process group cannot go on without it): what they held is gone, and the "
                      "next cell starts fresh ones")
-            end_pool(f"rank {lost[0]}'s GPU no longer worked: {lost[1].device_lost}")
+            pool.end_with(f"rank {lost[0]}'s GPU no longer worked: {lost[1].device_lost}")
+        else:
+            error.live_frames = _live_frames(weakref.ref(pool))  # post_mortem asks them
         shown.on_event(LaunchFinished(RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank,
                                       summary=f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}; {after}"))
         raise error
@@ -80,6 +85,22 @@ def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: 
     shown.on_event(LaunchFinished(RankState.DONE, elapsed, results=results,
                                   summary=f"{_ranks_done(ranks, call.num_ranks)} done in {elapsed:.3f} s (warm)"))
     return results
+
+
+def _live_frames(pool_ref: Callable[[], Any]) -> Callable[[int, int, str, str], str | None]:
+    """Ask rank ``rank`` to evaluate ``source`` in frame ``index`` of its failed call
+    (``worker/warm/failed_frames``); None where it cannot (the pool ended, a call ran since)."""
+
+    def ask(rank: int, index: int, kind: str, source: str) -> str | None:
+        pool = pool_ref()
+        if pool is None or not pool.alive:
+            return None
+        try:
+            return pool.run(failed_frames.evaluate, kind, source, index, ranks=[rank], display="none")[0]
+        except Exception:  # noqa: BLE001  the debugger reads what the rank sent instead
+            return None
+
+    return ask
 
 
 def raise_how_the_pool_ended(launch: Any, settling: Any, num_ranks: int, close_s: float) -> None:

@@ -153,10 +153,9 @@ class WarmRanks:
         An error is the call's, as a notebook cell's is: it raises what a launch raises
         (RankFailedError: the first failing rank's traceback, the others in a line each), and
         the ranks and everything they hold stay. So does an interrupt (LaunchInterrupted): ranks
-        that train stop together at a step boundary; others where they are. Only ranks that
-        can no longer run together (one died, or stays stuck in a collective) end the pool,
-        which says why; the next call then starts fresh ones. A timeout ends the pool.
-        """
+        that train stop together at a step boundary; others where they are. Ranks that can no
+        longer run together (one died, lost its GPU, or stays stuck in a collective) and a
+        timeout end the pool, saying why; the next call starts fresh ones."""
         __tracebackhide__ = True
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
             raise LaunchConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -228,7 +227,7 @@ class WarmRanks:
             # Interrupted: the cell ends with that; a press after the ranks came back (the stop
             # button pressed twice) must not cut its report or the group's re-forming short.
             try:
-                return finish_call(call, settling, shown, time.monotonic() - started, only, end_pool=self._end_pool)
+                return finish_call(call, settling, shown, time.monotonic() - started, only, pool=self)
             finally:
                 shown.close()
                 if settling.released and self._ended_with is None:  # each rank re-forms its group where it released it
@@ -265,8 +264,9 @@ class WarmRanks:
         if presses.take():  # it came as the ranks finished: the cell is interrupted all the same
             settling.interrupted = True
 
-    def _end_pool(self, why: str) -> None:  # said once by the next call, which starts fresh ranks
-        self._ended_with = why
+    def end_with(self, why: str) -> None:
+        """End the ranks now; the next call says ``why`` once, and starts fresh ones."""
+        self._ended_with = why  # read by _ensure_started
         self._launch.cancel()
         with contextlib.suppress(BaseException):
             self._launch.result(timeout=_CLOSE_S)  # over before the next call looks

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from nblaunch import wire
 from nblaunch.contract import variables as v
 from nblaunch.worker import channel, payload
-from nblaunch.worker.warm import cell_stop, device_check, group
+from nblaunch.worker.warm import cell_stop, device_check, failed_frames, group
 from nblaunch.worker.warm.subset_guard import collectives_refused
 from nblaunch.worker.reports import describe, failure_record
 from nblaunch.worker.streams import flush_streams
@@ -95,6 +95,8 @@ def _serve_one(rank: int, body: bytes, shared: tuple[dict[int, int], list] | Non
     _released.clear()
     try:
         call_id, function, args, only = payload.load(body, buffers, local_fd)
+        if not getattr(function, "keeps_failed_frames", False):
+            failed_frames.forget()  # the last failure's frames, kept for the debugger until now
         if only is not None and rank not in only:
             channel.send(wire.CALL_RESULT, _reply(call_id, None))  # not this rank's call
             return
@@ -117,6 +119,7 @@ def _serve_one(rank: int, body: bytes, shared: tuple[dict[int, int], list] | Non
 
 def _call_failure(error: BaseException) -> Any:
     failure = failure_record(error)
+    failed_frames.keep(error)
     lost = device_check.lost_device()
     if lost:  # the pool ends: every later cell would fail on this rank's device
         failure = dataclasses.replace(failure, device_lost=lost)

@@ -1,5 +1,6 @@
 """%debug on a failed rank, in a real kernel, answered as a person types: after a launch (the
-rank's frames kept and rebuilt here) and after a %%distributed cell (the pool goes on after q)."""
+rank's frames kept and rebuilt here) and after a %%distributed cell (the rank's frames live:
+pdb's questions are answered by the rank itself, and the pool goes on after q)."""
 
 from __future__ import annotations
 
@@ -66,17 +67,21 @@ def test_debug_chooses_another_rank_or_says_in_a_line_why_not(kernel):
 
 def test_debug_after_a_distributed_cell_reads_the_ranks_values_and_the_pool_goes_on(kernel):
     assert kernel.run("%load_ext nblaunch").error is None
-    started = kernel.run("%%distributed -n 2 --cpu --display text\nimport torch, torch.distributed as dist\n"
-                         "w = torch.ones(4, 2) * (dist.get_rank() + 1)")
+    started = kernel.run("%%distributed -n 2 --cpu --display text\nimport os, torch, torch.distributed as dist\n"
+                         "w = torch.ones(4, 2) * (dist.get_rank() + 1)\nos.getpid()")
     assert started.error is None, started.text
     failed = kernel.run("%%distributed --display text\nh = w @ torch.ones(3)")
     assert failed.error is not None and failed.error[0] == "RankFailedError", failed.text
     assert "Tensor[4, 2] float32 cpu" in failed.traceback, failed.traceback
     first = int(re.match(r"rank (\d) failed", failed.error[1])[1])  # both raise: the first to
-    pdb = kernel.run("%debug", answers=["p w.shape", "p w[0, 0].item()", "ll", "q"])
+    pdb = kernel.run("%debug", answers=["p w.shape", "p w[0, 0].item()", "ll", "p os.getpid()", "!w.mul_(10)",
+                                        "marker = 7", "q"])
     pdb.text = plain(pdb.text)
     assert "torch.Size([4, 2])" in pdb.text and f"{first + 1.0}" in pdb.text, pdb.text  # that rank's value
     assert "h = w @ torch.ones(3)" in pdb.text, pdb.text
-    kept = kernel.run("%%distributed --display text\nw.sum().item()")
-    assert kept.error is None and kept.result == [8.0, 16.0], kept.text
+    assert str(started.result[first]) in pdb.text, pdb.text  # evaluated in the rank itself, live
+    kept = kernel.run("%%distributed --display text\n(w.sum().item(), 'marker' in dir())")
+    expected = [(8.0, False), (16.0, False)]
+    expected[first] = (80.0 * (first + 1), True)  # what pdb did there stays in that rank
+    assert kept.error is None and kept.result == expected, kept.text
     assert kernel.run("%distributed stop").error is None
