@@ -50,8 +50,12 @@ def offer(error: BaseException) -> None:
         return
     _offered[:] = [error]
     failure = next((f for f in error.failures if f.frames), None)
-    if failure is not None:
+    if failure is None:
+        return
+    try:
         _make_last(failure, getattr(error, "live_frames", None))
+    except Exception:  # noqa: BLE001  an offer only: %debug then opens the cell's own frame
+        pass
 
 
 def debug(error: BaseException | None = None, rank: int | None = None) -> None:
@@ -196,9 +200,10 @@ def _is_offered_copy(value: BaseException) -> bool:
 
 def _code(kept: KeptFrame, last: bool) -> types.CodeType:
     """One line at the rank's line number, in a code object named and numbered as its function."""
-    first = kept.firstlineno if 0 < kept.firstlineno <= kept.lineno else 1
+    line = kept.lineno if isinstance(kept.lineno, int) and kept.lineno > 0 else 1  # None: an instruction of no line
+    first = kept.firstlineno if 0 < kept.firstlineno <= line else 1
     statement = f"raise {_ERROR}" if last else f"exec(*{_NEXT})"
-    code = compile("\n" * (kept.lineno - first) + statement, kept.filename, "exec")
+    code = compile("\n" * (line - first) + statement, kept.filename, "exec")
     named = code.replace(co_name=kept.function, co_firstlineno=first)
     if sys.version_info >= (3, 11):
         named = named.replace(co_qualname=kept.qualname)
