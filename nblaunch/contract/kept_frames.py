@@ -7,18 +7,16 @@ a number, a list); otherwise a :class:`KeptValue` stands in for it, saying its t
 tensor, its shape, dtype, device and statistics (a GPU tensor never crosses: unpickling it would
 start CUDA in the notebook's process). The record travels inside the rank's ``RankFailure``;
 the launcher rebuilds real frames from it for pdb (``launch/post_mortem``), and shows the failing
-line's locals (:func:`locals_block`).
+line's locals (:func:`with_locals`).
 
 Example::
 
     frames = keep(error.__traceback__)
-    locals_block(frames)
-    # 'Locals of step (train.py, line 12):\\n  x      Tensor[3, 5] float32 cpu\\n  lr     float 0.1'
+    with_locals(text, frames)   # under 'raise ValueError(...)': '    locals:', '      x   Tensor[3, 5] float32 cpu'
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 import types
@@ -29,7 +27,7 @@ from typing import Any
 from nblaunch import frames as frame_text
 from nblaunch.contract.bounded import bounded_pickle
 
-__all__ = ["KeptFrame", "KeptValue", "entries", "keep", "locals_block", "summary"]
+__all__ = ["KeptFrame", "KeptValue", "entries", "keep", "summary", "with_locals"]
 
 MAX_FRAMES = 40  # the innermost: a deep recursion keeps where it ended
 VALUE_MAX_BYTES = 1 << 20  # one local, pickled
@@ -100,19 +98,27 @@ def entries(tb: TracebackType | None) -> list[TracebackType]:
     return found[-MAX_FRAMES:]
 
 
-def locals_block(kept: list[KeptFrame]) -> str:
-    """The failing line's locals in one compact block: the innermost frame of the user's own
-    code (else the innermost), a line per name; "" where there are none."""
+def with_locals(traceback: str, kept: list[KeptFrame]) -> str:
+    """``traceback`` (as Python prints it) with the failing line's locals in one compact block
+    under that line: the innermost frame of the user's own code (else the innermost), a line per
+    name. Where that frame is not found in the text, the block ends it."""
     if not kept:
-        return ""
+        return traceback
     own = [f for f in kept if frame_text.is_users(f.filename)]
     frame = (own or kept)[-1]
     if not frame.summaries:
-        return ""
+        return traceback
     width = min(max(len(name) for name in frame.summaries), 24)
-    lines = [f"  {name:<{width}}  {summary}" for name, summary in frame.summaries.items()]
-    where = f"{os.path.basename(frame.filename)}, line {frame.lineno}"
-    return f"Locals of {frame.function} ({where}):\n" + "\n".join(lines)
+    block = ["    locals:"] + [f"      {name:<{width}}  {said}" for name, said in frame.summaries.items()]
+    lines = traceback.splitlines()
+    heading = f'  File "{frame.filename}", line {frame.lineno}, in {frame.function}'
+    at = max((i for i, line in enumerate(lines) if line == heading), default=None)
+    if at is None:
+        return traceback.rstrip("\n") + "\n" + "\n".join(block) + "\n"
+    at += 1
+    while at < len(lines) and lines[at].startswith("    "):  # the frame's code, and its carets
+        at += 1
+    return "\n".join(lines[:at] + block + lines[at:]) + "\n"
 
 
 def _before_user_code(path: str) -> bool:

@@ -92,15 +92,14 @@ def failure_record(error: BaseException, reason: str | None = None, *, phase: Ph
                    hint: str = "", whole: bool = True) -> RankFailure:
     """The record of ``error``: whole (its exception, its traceback formatted from the user's code
     on, and, where it raised in the user's function, its frames with their locals for the
-    debugger and the locals block that ends the traceback), or first (what and when only, which
+    debugger and the failing line's locals under it in the traceback), or first (what and when only, which
     cannot stall)."""
     kept = kept_frames.keep(error.__traceback__) if whole and phase is Phase.RUNNING else []
-    block = kept_frames.locals_block(kept)
     return RankFailure(
         rank=NOT_NUMBERED,
         reason=reason or describe(error),
         exception=error if whole else None,
-        traceback=_bounded_text(format_traceback(error) + (f"\n{block}\n" if block else "")) if whole else "",
+        traceback=_bounded_text(kept_frames.with_locals(format_traceback(error), kept)) if whole else "",
         frames=kept,
         complete=whole,
         phase=phase,

@@ -35,7 +35,9 @@ def test_the_failing_ranks_frames_come_back_as_real_frames_with_their_locals():
         notebook_launcher(_failing, num_processes=2, display="none")
     [failure] = caught.value.failures
     assert [f.function for f in failure.frames] == ["_failing", "_inner"]
-    assert "Locals of _inner" in failure.traceback and "x            Tensor[3, 5] float32 cpu" in failure.traceback
+    # Under the failing line, before the exception's: the locals block.
+    assert '    raise KeyError("shape mismatch")\n    locals:\n      x            Tensor[3, 5] float32 cpu\n' in failure.traceback
+    assert failure.traceback.rstrip().endswith("KeyError: 'shape mismatch'")
 
     error, head = rebuilt(pickle.loads(pickle.dumps(failure)))  # as it crossed from the rank
     assert isinstance(error, KeyError) and error is not failure.exception  # a copy: the shown one is untouched

@@ -43,7 +43,9 @@ def test_debug_after_a_launch_opens_the_failing_rank_with_its_locals_and_q_retur
     failed = kernel.run(LAUNCH)
     assert failed.error is not None and failed.error[0] == "RankFailedError", failed.text
     # The failure's locals block: the failing line's names with their shapes.
-    assert "Locals of step" in failed.traceback and "Tensor[3, 5] float32 cpu" in failed.traceback, failed.traceback
+    shown = plain(failed.traceback)
+    under = shown[shown.index('raise ValueError("bad shape")'):]
+    assert under.splitlines()[1:4] == ["    locals:", "      x      Tensor[3, 5] float32 cpu", "      scale  float 2.0"], shown
     pdb = kernel.run("%debug", answers=["p x.shape", "p scale", "where", "up", "p x.sum().item()", "ll", "q"])
     assert pdb.error is None, pdb.text
     pdb.text = plain(pdb.text)
