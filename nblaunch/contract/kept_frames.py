@@ -134,11 +134,13 @@ def _kept(entry: TracebackType, budget: list[int]) -> KeptFrame:
         said = summary(value)
         if not isinstance(value, _NOT_IN_THE_BLOCK):
             summaries[name] = said
-        pickled = None if _off_cpu(value) or budget[0] <= 0 else bounded_pickle(value, min(VALUE_MAX_BYTES, budget[0]))
-        if pickled is None:
-            kept[name] = _stand_in(value, said)
-        else:
-            kept[name] = pickled
+        try:
+            pickled = None if _off_cpu(value) or budget[0] <= 0 else bounded_pickle(value, min(VALUE_MAX_BYTES, budget[0]))
+            kept[name] = _stand_in(value, said) if pickled is None else pickled
+        except Exception:  # noqa: BLE001  a value that cannot even be looked at is named only
+            kept[name] = KeptValue(type(value).__qualname__, said)
+            continue
+        if pickled is not None:
             budget[0] -= len(pickled)
     return KeptFrame(
         filename=code.co_filename, lineno=entry.tb_lineno, function=code.co_name,

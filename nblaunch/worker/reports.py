@@ -94,7 +94,7 @@ def failure_record(error: BaseException, reason: str | None = None, *, phase: Ph
     on, and, where it raised in the user's function, its frames with their locals for the
     debugger and the failing line's locals under it in the traceback), or first (what and when only, which
     cannot stall)."""
-    kept = kept_frames.keep(error.__traceback__) if whole and phase is Phase.RUNNING else []
+    kept = _kept_frames(error) if whole and phase is Phase.RUNNING else []
     return RankFailure(
         rank=NOT_NUMBERED,
         reason=reason or describe(error),
@@ -108,6 +108,15 @@ def failure_record(error: BaseException, reason: str | None = None, *, phase: Ph
         collateral=caused_by_peer(error),
         failed_at=time.monotonic(),  # system-wide clock: the launcher orders failures of all ranks by it
     )
+
+
+def _kept_frames(error: BaseException) -> list[kept_frames.KeptFrame]:
+    """The frames for the debugger; none where keeping them fails: the report must go whatever
+    the locals are (a tensor subclass whose ``device`` raises, a value that hangs when read)."""
+    try:
+        return kept_frames.keep(error.__traceback__)
+    except Exception:  # noqa: BLE001
+        return []
 
 
 _TRACEBACK_MAX_CHARS = 200_000

@@ -16,9 +16,16 @@ from nblaunch.contract.kept_frames import KeptValue
 from nblaunch.launch.post_mortem import rebuilt
 
 
+class _NoDevice(torch.Tensor):
+    @property
+    def device(self):
+        raise RuntimeError("a tensor subclass that cannot say its device")
+
+
 def _inner(x, scale):
     elsewhere = torch.zeros(2, 3, device="meta")  # stands in for a GPU tensor: never crosses
-    untouchable = open(os.devnull)  # a file cannot be pickled
+    untouchable = open(os.devnull)  # an open file is never read to be sent
+    hostile = torch.Tensor._make_subclass(_NoDevice, torch.zeros(2))  # looking at it raises
     if os.environ["RANK"] == "1":
         raise KeyError("shape mismatch")
     untouchable.close()
@@ -50,5 +57,6 @@ def test_the_failing_ranks_frames_come_back_as_real_frames_with_their_locals():
     stood_in = innermost.f_locals["elsewhere"]
     assert isinstance(stood_in, KeptValue) and stood_in.shape == torch.Size([2, 3]) and str(stood_in.device) == "meta"
     assert "TextIOWrapper" in repr(innermost.f_locals["untouchable"])
+    assert isinstance(innermost.f_locals["hostile"], KeptValue)  # named, and the report still came
     assert innermost.f_globals["torch"] is torch  # this module's globals, copied
     assert head.tb_next is error.__traceback__
