@@ -183,7 +183,8 @@ def test_the_gpu_lane_runs_here_end_to_end_and_reports_no_cuda_device(tmp_path):
     for name in ("nblaunch", "benchmarks", "tools"):
         shutil.copytree(os.path.join(ROOT, name), copy / name, ignore=ignore)
     shutil.copytree(os.path.join(ROOT, "tests", "gpu"), copy / "tests" / "gpu", ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE", "tests/conftest.py", "tests/lanes.py", "tests/nbcells.py"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "tests/conftest.py", "tests/lanes.py", "tests/nbcells.py",
+                 "tests/kernel_session.py"):
         shutil.copy(os.path.join(ROOT, name), copy / name)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_LANE_PYTHON": sys.executable, "GPU_LANE_VENV": str(tmp_path / "venv"),
