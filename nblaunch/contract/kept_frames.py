@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -32,6 +33,8 @@ __all__ = ["KeptFrame", "KeptValue", "entries", "keep", "summary", "with_locals"
 MAX_FRAMES = 40  # the innermost: a deep recursion keeps where it ended
 VALUE_MAX_BYTES = 1 << 20  # one local, pickled
 FRAMES_MAX_BYTES = 16 << 20  # all locals of all frames: past it, values are described only
+# Past this, values are described only: the launcher waits 1 s for a failed rank's whole report.
+KEEP_MAX_S = 0.4
 _STATS_MAX_ELEMENTS = 1 << 27  # a tensor larger than this is not read for its statistics
 _SUMMARY_CHARS = 80
 # Kept for pdb, left out of the locals block: a script's imports and definitions are not its state.
@@ -82,8 +85,17 @@ class KeptFrame:
 
 def keep(tb: TracebackType | None) -> list[KeptFrame]:
     """The frames of ``tb`` from the user's code inward, with their locals (see the module)."""
-    budget = [FRAMES_MAX_BYTES]
+    budget = _Budget(FRAMES_MAX_BYTES, time.monotonic() + KEEP_MAX_S)
     return [_kept(entry, budget) for entry in entries(tb)]
+
+
+@dataclass
+class _Budget:
+    bytes_left: int
+    until: float  # time.monotonic()
+
+    def spent(self) -> bool:
+        return self.bytes_left <= 0 or time.monotonic() > self.until
 
 
 def entries(tb: TracebackType | None) -> list[TracebackType]:
@@ -125,7 +137,7 @@ def _before_user_code(path: str) -> bool:
     return frame_text.is_launcher_code(path) or frame_text.is_python_machinery(path)
 
 
-def _kept(entry: TracebackType, budget: list[int]) -> KeptFrame:
+def _kept(entry: TracebackType, budget: _Budget) -> KeptFrame:
     frame, code = entry.tb_frame, entry.tb_frame.f_code
     kept, summaries = {}, {}
     for name, value in list(frame.f_locals.items()):
@@ -134,14 +146,17 @@ def _kept(entry: TracebackType, budget: list[int]) -> KeptFrame:
         said = summary(value)
         if not isinstance(value, _NOT_IN_THE_BLOCK):
             summaries[name] = said
+        if budget.spent():
+            kept[name] = KeptValue(type(value).__qualname__, said)
+            continue
         try:
-            pickled = None if _off_cpu(value) or budget[0] <= 0 else bounded_pickle(value, min(VALUE_MAX_BYTES, budget[0]))
+            pickled = None if _off_cpu(value) else bounded_pickle(value, min(VALUE_MAX_BYTES, budget.bytes_left))
             kept[name] = _stand_in(value, said) if pickled is None else pickled
         except Exception:  # noqa: BLE001  a value that cannot even be looked at is named only
             kept[name] = KeptValue(type(value).__qualname__, said)
             continue
         if pickled is not None:
-            budget[0] -= len(pickled)
+            budget.bytes_left -= len(pickled)
     return KeptFrame(
         filename=code.co_filename, lineno=entry.tb_lineno, function=code.co_name,
         qualname=getattr(code, "co_qualname", code.co_name), firstlineno=code.co_firstlineno,
@@ -186,10 +201,13 @@ def _stand_in(value: Any, said: str) -> KeptValue:
 
 
 def _stats(tensor: Any) -> str:
-    """``, min 0 max 1 mean 0.5`` of a floating tensor small enough to read ("" otherwise, or
-    where reading it fails: a device whose context a fault poisoned)."""
+    """``, min 0 max 1 mean 0.5`` of a floating tensor on the CPU or a GPU small enough to read
+    ("" otherwise, or where reading it fails: a device whose context a fault poisoned). Not on
+    other devices: a meta tensor has no values (and its mean imports torch._dynamo, 2 s), an XLA
+    tensor would compile a graph."""
     try:
-        if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.numel() > _STATS_MAX_ELEMENTS:
+        if (tensor.device.type not in ("cpu", "cuda") or not tensor.is_floating_point() or tensor.numel() == 0
+                or tensor.numel() > _STATS_MAX_ELEMENTS):
             return ""
         values = tensor.detach()
         low, high, mean = (float(x) for x in (values.min(), values.max(), values.float().mean()))

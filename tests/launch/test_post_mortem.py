@@ -37,9 +37,12 @@ def _failing():
     return _inner(x, 0.5)
 
 
-def test_the_failing_ranks_frames_come_back_as_real_frames_with_their_locals():
+# Spawned too: a fresh interpreter's first look at a value may import (a meta tensor's mean
+# imported torch._dynamo, 2 s), and the launcher waits 1 s for a failed rank's whole report.
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_the_failing_ranks_frames_come_back_as_real_frames_with_their_locals(start_method):
     with pytest.raises(RankFailedError) as caught:
-        notebook_launcher(_failing, num_processes=2, display="none")
+        notebook_launcher(_failing, num_processes=2, display="none", start_method=start_method)
     [failure] = caught.value.failures
     assert [f.function for f in failure.frames] == ["_failing", "_inner"]
     # Under the failing line, before the exception's: the locals block.
