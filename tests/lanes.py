@@ -44,6 +44,8 @@ DEFAULT_COVERS = {
     "no rank is orphaned": "tests/launch/test_process_tree.py::test_helpers_in_their_own_session_end_with_a_rank_that_fails[killed]",
     "the launch server spawns CUDA-clean ranks": "tests/launch/test_cuda_initialised_detection.py::test_cuda_initialised_in_the_launcher_spawns_says_so_in_one_line_and_refuses_fork",
     "a stall names its rank": "tests/launch/test_stacks_while_running.py::test_a_stalled_launch_shows_every_ranks_stack_by_itself_and_clears_it",
+    "%debug opens a failed rank": "tests/warm/test_debugging.py::test_debug_after_a_launch_opens_the_failing_rank_with_its_locals_and_q_returns",
+    "a SIGKILL is blamed only as the machine says": "tests/launch/test_failures.py::test_a_rank_killed_by_sigkill_is_not_blamed_on_the_out_of_memory_killer_the_machine_did_not_count",
     "the Accelerator trains with DDP": "tests/training/test_training.py::test_two_processes_equal_one_process_with_double_batch",
     "the Accelerator shards the data": "tests/training/test_data_distributed.py::test_shuffled_epochs_disjoint_complete_and_changing",
     "mixed precision": "tests/training/test_training.py::test_mixed_precision_trains_on_cpu[bf16]",
