@@ -28,7 +28,7 @@ from typing import Any
 from nblaunch import frames as frame_text
 from nblaunch.contract.bounded import bounded_pickle
 
-__all__ = ["KeptFrame", "KeptValue", "entries", "keep", "summary", "with_locals"]
+__all__ = ["KeptFrame", "KeptValue", "entries", "keep", "summary", "user_start", "with_locals"]
 
 MAX_FRAMES = 40  # the innermost: a deep recursion keeps where it ended
 VALUE_MAX_BYTES = 1 << 20  # one local, pickled
@@ -102,12 +102,19 @@ def entries(tb: TracebackType | None) -> list[TracebackType]:
     """The entries of ``tb`` that :func:`keep` keeps, outermost first (a warm rank keeps their
     frames live, in this order, for the debugger's questions)."""
     found = []
+    tb = user_start(tb)
     while tb is not None:
         found.append(tb)
         tb = tb.tb_next
-    while len(found) > 1 and _before_user_code(found[0].tb_frame.f_code.co_filename):
-        found.pop(0)
     return found[-MAX_FRAMES:]
+
+
+def user_start(tb: TracebackType | None) -> TracebackType | None:
+    """The entry of ``tb`` where the user's code begins: the frames of nblaunch, and of runpy
+    starting a script, that led there are left out (the innermost is kept whatever it is)."""
+    while tb is not None and tb.tb_next is not None and _before_user_code(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
 
 
 def with_locals(traceback: str, kept: list[KeptFrame]) -> str:

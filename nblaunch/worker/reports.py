@@ -16,7 +16,7 @@ import time
 import traceback
 from types import TracebackType
 
-from nblaunch import frames, wire
+from nblaunch import wire
 from nblaunch.contract import kept_frames
 from nblaunch.contract.failure import NOT_NUMBERED, Phase, RankFailure
 from nblaunch.worker import channel
@@ -46,18 +46,12 @@ def format_traceback(error: BaseException) -> str:
     """The traceback as Python prints it, from the user's function or script on (the frames of
     nblaunch, and of runpy starting a script, that led there are left out); the frames alone if
     printing the message fails."""
-    start = error.__traceback__
-    while start is not None and start.tb_next is not None and _starts_user_code(start.tb_frame.f_code.co_filename):
-        start = start.tb_next
+    start = kept_frames.user_start(error.__traceback__)
     try:
         return "".join(traceback.format_exception(type(error), error, start))
     except BaseException:
         listed = "".join(traceback.format_tb(start))
         return f"Traceback (most recent call last):\n{listed}{describe(error)}\n"
-
-
-def _starts_user_code(path: str) -> bool:
-    return frames.is_launcher_code(path) or frames.is_python_machinery(path)
 
 
 def caused_by_peer(error: BaseException) -> bool:
