@@ -172,6 +172,15 @@ class RankDevice:
 
 
 @dataclass(frozen=True)
+class RankCompiling:
+    """A rank began compiling (``torch.compile``: ``compiling`` True) or ended after ``seconds``."""
+
+    rank: int
+    compiling: bool
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class GpuUsage:
     """A rank's GPU as NVML saw it a moment ago: the GPU's index, its utilisation (percent) and
     memory; ``memory_used`` is the rank's own where NVML names its process, else the GPU's."""
@@ -262,7 +271,7 @@ class LaunchFinished:
 Event = (
     LaunchStarted | ClusterWaiting | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
     | LaunchRestarting | LaunchFinished | CallFinished | CallFailed | CallSteps | GroupReleased | RankDevice
-    | GpuUsage | Stalled | StallCleared
+    | RankCompiling | GpuUsage | Stalled | StallCleared
 )
 
 

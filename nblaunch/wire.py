@@ -27,6 +27,7 @@ CALL_FAILED = b"f"  # warm ranks: pickled (call_id, RankFailure): the call raise
 STEPS = b"s"  # warm ranks: pickled (call_id, step boundaries passed in the call), asked by INTERRUPT
 RELEASED = b"r"  # warm ranks: pickled str, "" or why not: the rank released its group (RELEASE)
 MOVED = b"m"  # empty body: the rank's main thread moved since the last one (nblaunch.worker.movement)
+COMPILING = b"c"  # pickled (compiling, seconds): a torch.compile began (False, 0) or ended after seconds
 STANDBY = b"B"  # a rank on standby (nblaunch.server.standby_rank): pickled ("ready", facts) or ("left", why)
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD

@@ -156,7 +156,12 @@ def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, l
         elapsed = format_duration((rank.finished_t if rank.finished_t is not None else now) - rank.started_t)
     if rank.began:
         elapsed += f'<div class="nbl-began" style="{MUTED}">{plain_text(rank.began)}</div>'
-    if running and rank.last_heard_t is not None and now - rank.last_heard_t >= QUIET_NOTE_S:
+    if running and rank.compiling_since is not None:  # a long compile is work, not a hang
+        elapsed += (f'<div class="nbl-compiling" style="color: #7c3aed">compiling '
+                    f"{format_duration(now - rank.compiling_since)}</div>")
+    elif rank.compiled_s >= 1:
+        elapsed += f'<div class="nbl-compiled" style="{MUTED}">compiled in {format_duration(rank.compiled_s)}</div>'
+    if running and rank.compiling_since is None and rank.last_heard_t is not None and now - rank.last_heard_t >= QUIET_NOTE_S:
         elapsed += (f'<div class="nbl-quiet" style="color: #b45309">no output for '
                     f"{format_duration(now - rank.last_heard_t)}</div>")
     if rank.state in (RankState.FAILED, RankState.STOPPED) and rank.detail:

@@ -23,6 +23,7 @@ from nblaunch.events import (
     Metrics,
     Output,
     Progress,
+    RankCompiling,
     RankFinished,
     RanksPlaced,
     RankState,
@@ -100,6 +101,13 @@ class TextDisplay:
                 self._print(f"[rank {event.rank}] failed: {event.detail.splitlines()[0]}", "stderr")
             elif event.state == RankState.STOPPED:
                 self._print(f"[rank {event.rank}] stopped: {event.detail}", "stderr")
+        elif isinstance(event, RankCompiling):
+            # A line when a long compile begins and ends, at most one pair a minute per rank:
+            # graph breaks and recompiles are many short compiles.
+            if event.compiling and self._due(("compiling", event.rank), 60.0):
+                self._print(f"[rank {event.rank}] compiling (torch.compile)...")
+            elif not event.compiling and event.seconds >= 1:
+                self._print(f"[rank {event.rank}] compiled in {event.seconds:.1f} s")
         elif isinstance(event, Stalled):
             self._print("nblaunch: stalled: " + event.verdict.replace("\n", "\n  "), "stderr")  # one block
         elif isinstance(event, StallCleared):

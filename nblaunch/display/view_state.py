@@ -32,6 +32,7 @@ from nblaunch.events import (
     Metrics,
     Output,
     Progress,
+    RankCompiling,
     RankDevice,
     RankFinished,
     RanksPlaced,
@@ -87,6 +88,8 @@ class RankView:
     stacks_why: str = "stop"  # see nblaunch.events.Stacks
     stacks_at: str = ""  # wall-clock time the stacks came, for the reader
     device: RankDevice | None = None  # what its Accelerator computes on, and in which precision
+    compiling_since: float | None = None  # a torch.compile going on began then
+    compiled_s: float = 0.0  # seconds its compiles took so far
     began: str = ""  # how it began warm (a rank that waited on standby), if it did
     gpu: GpuUsage | None = None  # its GPU a moment ago
 
@@ -163,6 +166,12 @@ class LaunchView:
             self.dirty |= {RANKS, HEADER}
         elif isinstance(event, RankDevice):
             self.rank(event.rank).device = event
+            self.dirty.add(RANKS)
+        elif isinstance(event, RankCompiling):
+            rank = self.rank(event.rank)
+            rank.compiling_since = now if event.compiling else None
+            rank.compiled_s += event.seconds
+            rank.last_heard_t = now
             self.dirty.add(RANKS)
         elif isinstance(event, GpuUsage):
             self.rank(event.rank).gpu = event

@@ -27,7 +27,7 @@ from nblaunch import proctree, wire
 from nblaunch.facts.installed import installed_modules, loaded_since
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
-from nblaunch.worker import calls, channel, lifeline, movement, payload
+from nblaunch.worker import calls, channel, compile_watch, lifeline, movement, payload
 from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.own_meeting_point import meet_at_the_launchers_store_only
 from nblaunch.worker.inherited import forget_accelerate_state, forget_half_imported, leave_interactive_session
@@ -202,6 +202,7 @@ def _run_function(function: Callable, args: tuple, control: ControlSocket, event
     # cores is a millisecond of every launch spent before the user's function starts.
     _thread.start_new_thread(_watch_launcher, (control, event_fd))
     movement.watch_main_thread(each_look)
+    compile_watch.watch_compiles()  # torch._dynamo is usually loaded ahead: its compiles show from the first
     try:
         result = function(*args)
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result

@@ -6,8 +6,9 @@ seconds (``nblaunch.launch.supervising.stall``): a line, a bar, a metric, a call
 module's ``MOVED`` frame. A bare thread looks at the main thread every quarter of ``stall_after``
 (between 0.25 and 5 s): it moved if its innermost Python frame, or the instruction in it, changed
 since the last look, or if it spent a quarter of that time on a CPU (a loop that sits in one C
-call most of the time looks still, and a long matmul is work, not a stall). A rank blocked in a
-collective's wait or in ``time.sleep`` is neither, and sends nothing.
+call most of the time looks still, and a long matmul is work, not a stall), or if it is compiling
+(``compile_watch``: it may only wait for a compiler process). A rank blocked in a collective's
+wait or in ``time.sleep`` is none of these, and sends nothing.
 
 Example (the bootstrap, once the user's function is about to run)::
 
@@ -25,7 +26,7 @@ from typing import Callable
 
 from nblaunch import wire
 from nblaunch.contract import variables as v
-from nblaunch.worker import channel
+from nblaunch.worker import channel, compile_watch
 
 _LOOK_EVERY_S = (0.25, 5.0)  # bounds of a quarter of stall_after
 
@@ -54,7 +55,8 @@ def _look_out(main: int, every: float, each_look: Callable[[], None]) -> None:
             place, used = _place(main), time.clock_gettime(clock)
         except OSError:
             return  # the main thread is gone: the rank is leaving
-        if place != last or used - cpu >= every / 4:
+        compile_watch.watch_compiles()  # a user's torch.compile that loaded torch._dynamo since
+        if place != last or used - cpu >= every / 4 or compile_watch.compiling():
             try:
                 channel.send(wire.MOVED, b"")
             except OSError:

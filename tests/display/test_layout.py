@@ -13,8 +13,8 @@ from htmlq import bars, text
 from nblaunch.display import render
 from nblaunch.display.view_state import LaunchView
 from nblaunch.display.summary import summary_html
-from nblaunch.events import (LaunchFinished, Output, Progress, RankFinished, RankStarted, RankState, Stacks,
-                             StallCleared, Stalled)
+from nblaunch.events import (LaunchFinished, Output, Progress, RankCompiling, RankFinished, RankStarted, RankState,
+                             Stacks, StallCleared, Stalled)
 from test_widget_display import started
 
 
@@ -69,6 +69,29 @@ def test_a_quiet_rank_says_for_how_long():
     assert "no output for" not in rows[0] and "no output for 15 s" in text(rows[1])
     view.apply(RankFinished(1, RankState.DONE, exitcode=0), start + 15)
     assert "no output for" not in render.ranks_html(view, start + 30).split('data-rank="1"')[1]
+
+
+def test_a_compiling_rank_says_so_for_how_long_not_quiet_then_how_long_it_took():
+    start = time.monotonic()
+    view = running_view(start)
+    view.apply(RankCompiling(1, compiling=True), start + 1)
+    rows = render.ranks_html(view, start + 31).split('<tr class="nbl-rank"')[1:]
+    assert "compiling 30 s" in text(rows[1]) and "no output for" not in rows[1]
+    assert "no output for 31 s" in text(rows[0])  # the rank that is not compiling is quiet
+    view.apply(RankCompiling(1, compiling=False, seconds=32.0), start + 33)
+    row = render.ranks_html(view, start + 34).split('<tr class="nbl-rank"')[2]
+    assert "compiling" not in text(row) and "compiled in 32 s" in text(row)
+
+
+def test_the_text_display_says_when_a_long_compile_begins_and_ends(capsys):
+    from nblaunch.display.text import TextDisplay
+
+    display = TextDisplay()
+    for event in (RankCompiling(0, True), RankCompiling(0, False, 0.2), RankCompiling(0, True),
+                  RankCompiling(0, False, 12.5)):
+        display.on_event(event)
+    assert capsys.readouterr().out.splitlines() == ["[rank 0] compiling (torch.compile)...",
+                                                    "[rank 0] compiled in 12.5 s"]
 
 
 def test_only_a_live_running_view_can_turn_stale_and_the_summary_never_does():

@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable
 
 from nblaunch import wire
-from nblaunch.events import Event, Metrics, Output, Progress, RankDevice, RankFinished, RankStarted, RankState
+from nblaunch.events import (Event, Metrics, Output, Progress, RankCompiling, RankDevice, RankFinished, RankStarted,
+                             RankState)
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
@@ -312,6 +313,10 @@ class Supervisor(StoppingRanks):
         elif kind == wire.DEVICE:
             device, precision = pickle.loads(body)
             self._emit(RankDevice(rank=r, device=device, precision=precision))
+        elif kind == wire.COMPILING:
+            compiling, seconds = pickle.loads(body)
+            self._emit(RankCompiling(rank=r, compiling=compiling, seconds=seconds))
+            self._stalls.heard()
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
         elif kind == wire.IMPORTED:
