@@ -45,13 +45,15 @@ def a_temporary_folder_of_its_own(tmp_path_factory):
     folder of its own for the session: another worker's or another run's launch never stops what a
     test left on purpose, nor says so in that test's output. pytest's own folders stay where they
     were (asked for first), and so does Ray's (RAY_TMPDIR: the clusters are pinned by address, and
-    the Ray lane's other cluster must be found where a user's would be)."""
+    the Ray lane's other cluster must be found where a user's would be). Compiled code goes there
+    too (NBLAUNCH_COMPILE_CACHE), never into the user's ~/.cache."""
     tmp_path_factory.getbasetemp()
     system = tempfile.gettempdir()
     folder = tempfile.mkdtemp(prefix="nbl-", dir=system)  # short: sockets are made under it
     os.chmod(folder, 0o755)  # munged wants every folder above its socket searchable by all
-    saved = {name: os.environ.get(name) for name in ("TMPDIR", "RAY_TMPDIR")}
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "RAY_TMPDIR", "NBLAUNCH_COMPILE_CACHE")}
     os.environ["TMPDIR"] = folder
+    os.environ.setdefault("NBLAUNCH_COMPILE_CACHE", os.path.join(folder, "compile"))
     os.environ.setdefault("RAY_TMPDIR", system)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     yield

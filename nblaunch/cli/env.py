@@ -1,5 +1,5 @@
-"""``nblaunch env``: what a bug report needs, as a list to paste: versions, devices, and the
-start method a launch here would use, and why."""
+"""``nblaunch env``: what a bug report needs, as a list to paste: versions, devices, the
+start method a launch here would use, and why, and where its ranks keep compiled code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import platform
 import sys
 
 from nblaunch.contract.version import __version__
+from nblaunch.contract.variables import TORCHINDUCTOR_CACHE_DIR
 from nblaunch.launch.planning import devices, tpu
+from nblaunch.launch.planning.compile_cache import compile_cache_environ
 from nblaunch.launch.planning.plan import start_method_for
 
 
@@ -50,6 +52,8 @@ def report() -> list[tuple[str, str]]:
         rows.append((package, _version(package)))
     method, why = start_method_for(None, cpu=False)
     rows.append(("start method", f"{method}: {why}"))
+    cache = compile_cache_environ().get(TORCHINDUCTOR_CACHE_DIR)
+    rows.append(("torch.compile cache", cache or f"{os.environ.get(TORCHINDUCTOR_CACHE_DIR) or 'torch default'} (yours)"))
     return rows
 
 
