@@ -29,6 +29,7 @@ from nblaunch.training.checkpoint.single import load, save
 from nblaunch.training.data.prepared import skip_first_batches
 from nblaunch.training.options.deepspeed_config import HfDeepSpeedConfig
 from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler
+from nblaunch.training.options.dynamo_plugin import DynamoBackend, TorchDynamoPlugin
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.parallelism import ParallelismConfig
 from nblaunch.training.options.kwargs import (AORecipeKwargs, AutocastKwargs, DataLoaderConfiguration, DDPCommunicationHookType,
@@ -58,7 +59,7 @@ __all__ = [
     "concatenate", "recursively_apply", "reduce", "send_to_device", "set_seed", "synchronize_rng_state",
     "synchronize_rng_states", "skip_first_batches", "find_executable_batch_size", "release_memory", "save", "load", "merge_fsdp_weights", "write_basic_config", "tqdm",
     "wait_for_everyone",
-    "ParallelismConfig", "DeepSpeedPlugin", "HfDeepSpeedConfig", "DummyOptim", "DummyScheduler", "DeepSpeedEngineWrapper",
+    "ParallelismConfig", "TorchDynamoPlugin", "DynamoBackend", "DeepSpeedPlugin", "HfDeepSpeedConfig", "DummyOptim", "DummyScheduler", "DeepSpeedEngineWrapper",
     "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
     "MODEL_NAME", "SAFE_MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "RNG_STATE_NAME",
     "SCALER_NAME", "WEIGHTS_NAME", "SAFE_WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_INDEX_NAME",

@@ -23,6 +23,7 @@ LAYERS = [
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],
     ["nblaunch.training.options"],
+    ["nblaunch.training.precision"],
     ["nblaunch.training.model"],
     ["nblaunch.training.step"],
     ["nblaunch.training.strategy"],

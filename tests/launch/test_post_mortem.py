@@ -25,7 +25,7 @@ class _NoDevice(torch.Tensor):
 def _inner(x, scale):
     elsewhere = torch.zeros(2, 3, device="meta")  # stands in for a GPU tensor: never crosses
     untouchable = open(os.devnull)  # an open file is never read to be sent
-    hostile = torch.Tensor._make_subclass(_NoDevice, torch.zeros(2))  # looking at it raises
+    hostile = torch.Tensor._make_subclass(_NoDevice, torch.zeros(2))  # noqa: F841  a local: looking at it raises
     if os.environ["RANK"] == "1":
         raise KeyError("shape mismatch")
     untouchable.close()

@@ -83,3 +83,22 @@ def test_other_fp8_recipes_are_refused_by_name():
         Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs()])
     with pytest.raises(ValueError, match="AORecipeKwargs is fp8's recipe"):
         Accelerator(kwargs_handlers=[AORecipeKwargs()])
+
+
+def test_an_optimizer_made_before_prepare_trains_the_layers_a_torchao_config_gives_new_parameters():
+    """Accelerate's default torchao config (fp8 all-gathers on) wraps each converted weight in a
+    new Parameter; an optimizer made before ``prepare`` is pointed at them, so the fp8 layers
+    train (under Accelerate's AO path, without FSDP, they stay as they were)."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, pad_inner_dim=True)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=config)])
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model[2].weight.detach().clone()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert type(model[2]).__name__ == "Float8Linear"
+    assert any(p is model[2].weight for group in optimizer.param_groups for p in group["params"])
+    torch.nn.functional.mse_loss(model(torch.randn(8, 32)), torch.zeros(8, 4)).backward()
+    optimizer.step()
+    assert not torch.equal(model[2].weight.detach().float(), before)

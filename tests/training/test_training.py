@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nblaunch.contract.precision import fast_precision
 from nblaunch.training import Accelerator, set_seed
-from nblaunch.training.model.mixed_precision import check_supported, resolve_mixed_precision
+from nblaunch.training.precision.modes import check_supported, resolve_mixed_precision
 
 
 def _data(n=48):

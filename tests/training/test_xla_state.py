@@ -14,7 +14,7 @@ import torch
 
 from nblaunch.training import DistributedType, PartialState
 from nblaunch.training.model.placement import ReplacedParameters, move_keeping_ties
-from nblaunch.training.model.mixed_precision import check_supported
+from nblaunch.training.precision.modes import check_supported
 from nblaunch.training.runtime import xla as xla_backend
 
 

@@ -35,8 +35,8 @@ from nblaunch.training.accelerator.prepare import PrepareMethods
 from nblaunch.training.accelerator.trackers import TrackingMethods
 from nblaunch.training.accelerator.training_step import TrainingStepMethods
 from nblaunch.training.model.placement import ReplacedParameters
-from nblaunch.training.model.mixed_precision import autocast_dtype, check_supported, make_grad_scaler, resolve_mixed_precision
 from nblaunch.training.options.deepspeed_plugin import DeepSpeedPlugin, deepspeed_plugin_from_environment
+from nblaunch.training.options.dynamo_plugin import DYNAMO_VARIABLES, TorchDynamoPlugin, adopt_dynamo_plugin
 from nblaunch.training.options.fsdp_environment import fsdp_plugin_from_environment
 from nblaunch.training.options.fsdp_plugin import FullyShardedDataParallelPlugin
 from nblaunch.training.options.parallelism import ParallelismConfig, parallelism_config_from_environment
@@ -44,6 +44,8 @@ from nblaunch.training.options.kwargs import (AORecipeKwargs, AutocastKwargs, Da
                                               GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                               ProfileKwargs, adopt, refuse_unsupported)
 from nblaunch.training.options.project import ProjectConfiguration, project_configuration
+from nblaunch.training.precision.modes import pick_precision, resolve_mixed_precision
+from nblaunch.training.precision.compiling import CompileStep
 from nblaunch.training.runtime.state import AcceleratorState
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.strategy.picking import pick_strategy
@@ -53,8 +55,6 @@ from nblaunch.training.tracking.choose import choose_trackers
 __all__ = ["Accelerator"]
 
 
-# Accelerate arguments for features nblaunch does not have: refused when actually used.
-_UNSUPPORTED = ("dynamo_backend", "dynamo_plugin")
 # Accelerate arguments that are accepted and have no effect here.
 _IGNORED = ("downcast_bf16",)
 
@@ -104,6 +104,12 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             hands the model, optimizer and scheduler to DeepSpeed's engine (ZeRO stages 1-3,
             offload), on GPUs and CPU ranks alike; needs ``pip install "nblaunch[deepspeed]"``.
             None reads ``ACCELERATE_USE_DEEPSPEED`` and ``ACCELERATE_DEEPSPEED_*``.
+        dynamo_backend: compile prepared models with ``torch.compile`` and this backend
+            (``"inductor"``; ``"no"``: never, not even fp8's default), as the last step of ``prepare``.
+        dynamo_plugin: a :class:`~nblaunch.utils.TorchDynamoPlugin` (or Accelerate's): backend,
+            mode, fullgraph, dynamic, regional compilation. Neither given: ``ACCELERATE_DYNAMO_*``
+            (``nblaunch launch --dynamo_backend``), else no compile except fp8 on GPUs with fp8
+            units, which compiles with Inductor (eager fp8 is slower than bf16).
 
     Example::
 
@@ -131,6 +137,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         fsdp_plugin: FullyShardedDataParallelPlugin | Any = None,
         deepspeed_plugin: DeepSpeedPlugin | Any = None,
         parallelism_config: ParallelismConfig | Any = None,
+        dynamo_backend: str | Any = None,
+        dynamo_plugin: TorchDynamoPlugin | Any = None,
         **kwargs: Any,
     ) -> None:
         deepspeed_plugin = _one_deepspeed_plugin(deepspeed_plugin, kwargs.pop("deepspeed_plugins", None))
@@ -141,10 +149,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         for name, value in kwargs.items():
             if name == "megatron_lm_plugin":
                 continue
-            if name in _UNSUPPORTED:
-                if value not in (None, False, "no", "NO"):
-                    raise NotImplementedError(f"Accelerator({name}=...) is not supported by nblaunch")
-            elif name in ("dispatch_batches", "logging_dir"):  # Accelerate before 1.0 took them here
+            if name in ("dispatch_batches", "logging_dir"):  # Accelerate before 1.0 took them here
                 continue
             elif name not in _IGNORED:
                 raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}")
@@ -157,11 +162,6 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         if fsdp_plugin is None and deepspeed_plugin is None:  # None unless the launch asked for one
             fsdp_plugin = fsdp_plugin_from_environment()
             deepspeed_plugin = deepspeed_plugin_from_environment()
-        if self.mixed_precision == "fp8" and deepspeed_plugin is not None:  # before anything reads either
-            raise NotImplementedError("mixed_precision='fp8' with a deepspeed_plugin is not supported by nblaunch: "
-                                      "train DeepSpeed in 'bf16', or fp8 with DDP or an fsdp_plugin")
-        check_supported(self.mixed_precision, self.device)
-        self._autocast_dtype = autocast_dtype(self.mixed_precision)
         if parallelism_config is None:
             parallelism_config = parallelism_config_from_environment()
         self.fsdp_plugin = self.state.fsdp_plugin = fsdp_plugin
@@ -181,7 +181,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         scaler_kwargs: dict[str, Any] = {}
         self.autocast_kwargs = {}
         self.profile_handler = None
-        self.fp8_recipe = None
+        fp8_recipe = None
         for handler in handlers:
             if isinstance(handler, DistributedDataParallelKwargs):
                 self.ddp_options = handler
@@ -192,7 +192,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             elif isinstance(handler, ProfileKwargs):
                 self.profile_handler = handler
             elif isinstance(handler, AORecipeKwargs):
-                self.fp8_recipe = handler
+                fp8_recipe = handler
             elif not isinstance(handler, InitProcessGroupKwargs):
                 raise TypeError(f"unsupported kwargs handler {type(handler).__name__}")
 
@@ -201,13 +201,18 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
                                        deepspeed_plugin, config.split_batches, parallelism_config)
         self.parallelism_config = parallelism_config
         self.deepspeed_plugin = self.state.deepspeed_plugin = getattr(self._strategy, "plugin", None)
-        if self.mixed_precision == "fp8":
-            self.fp8_recipe = self.fp8_recipe or AORecipeKwargs()  # torchao's, as Accelerate picks it first
-        elif self.fp8_recipe is not None:
-            raise ValueError("AORecipeKwargs is fp8's recipe: give it with mixed_precision='fp8'")
-        if not self._strategy.native_amp():  # DeepSpeed: its config's precision, no autocast or GradScaler
-            self.mixed_precision = self.deepspeed_plugin.config_precision()
-            self._autocast_dtype = None
+        # How the model computes, beside how it is spread: its autocast, scaler and conversion.
+        self._precision = pick_precision(self.mixed_precision, self.device, self._strategy.own_precision(),
+                                         fp8_recipe, self.autocast_kwargs, scaler_kwargs)
+        self.mixed_precision = self._precision.mode
+        self.fp8_recipe = self._precision.recipe
+        self.scaler = self._precision.scaler
+        self._compile_step = CompileStep(_one_dynamo_plugin(dynamo_backend, dynamo_plugin), self._precision,
+                                         self.state.is_main_process)
+        self.state.dynamo_plugin = self._compile_step.plugin  # Accelerate's accelerator.state.dynamo_plugin
+        refusal = self._strategy.refuses_compile() if self._compile_step.enabled else None
+        if refusal:
+            raise NotImplementedError(refusal)
 
         self.sync_each_batch = False
         if gradient_accumulation_plugin is not None:
@@ -222,9 +227,6 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
         self.gradient_state = GradientState(steps, sync_with_dataloader)
 
-        self.scaler = None
-        if self.mixed_precision == "fp16" and self._strategy.native_amp():
-            self.scaler = make_grad_scaler(self.device, **scaler_kwargs)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.step_scheduler_per_process = step_scheduler_per_process
         # logging_dir: Accelerate before 1.0 took it here
@@ -263,6 +265,20 @@ def _one_deepspeed_plugin(plugin: Any, plugins: Any) -> Any:
                                       "supported by nblaunch: give one deepspeed_plugin")
         return next(iter(plugins.values()))
     return plugins
+
+
+def _one_dynamo_plugin(backend: Any, plugin: Any) -> TorchDynamoPlugin | None:
+    """The compile plugin asked for: ``dynamo_backend`` or ``dynamo_plugin`` (not both), else the
+    ``ACCELERATE_DYNAMO_*`` variables; None when nothing asked (the precision then decides)."""
+    if backend is not None and plugin is not None:
+        raise ValueError("give dynamo_backend or dynamo_plugin, not both")
+    if plugin is not None:
+        return adopt_dynamo_plugin(plugin)
+    if backend is not None:
+        return TorchDynamoPlugin(backend=backend)
+    if any(name in os.environ for name in DYNAMO_VARIABLES):
+        return TorchDynamoPlugin()
+    return None
 
 
 def _one_parallelism_config(config: Any, tp_plugin: Any) -> Any:

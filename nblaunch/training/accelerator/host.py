@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from nblaunch.training.step.accumulation import Accumulate
     from nblaunch.training.step.gradient_state import GradientState
     from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
-    from nblaunch.training.strategy.interface import Strategy
+    from nblaunch.training.precision.compiling import CompileStep
+from nblaunch.training.precision.full import Precision
+from nblaunch.training.strategy.interface import Strategy
 
 __all__ = ["AcceleratorHost"]
 
@@ -64,8 +66,9 @@ class AcceleratorHost:
     trackers: list[Any]  # the open trackers (main process only)
     project_name: str | None  # init_trackers'
     config: dict | None  # init_trackers'
-    _autocast_dtype: torch.dtype | None
     _strategy: Strategy  # how prepared models are spread over the ranks (DDP, FSDP2, ...)
+    _precision: Precision  # how they compute: autocast, scaler, conversion (fp16, bf16, fp8, the stack's own)
+    _compile_step: CompileStep  # whether prepare compiles them, last
 
     # What was prepared, in order (Accelerate's names: transformers' Trainer reads _models).
     _models: list[torch.nn.Module]

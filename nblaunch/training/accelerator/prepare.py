@@ -20,9 +20,7 @@ from nblaunch.training.accelerator.host import AcceleratorHost
 from nblaunch.training.data.loaders import build_prepared_loader
 from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batches
 from nblaunch.training.model import placement
-from nblaunch.training.model import fp8
 from nblaunch.training.model.fsdp import is_sharded
-from nblaunch.training.model.mixed_precision import AutocastForward
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 
 __all__ = ["PrepareMethods"]
@@ -77,9 +75,10 @@ class PrepareMethods(AcceleratorHost):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """Move to the device, wrap the forward in autocast (mixed precision), convert its Linear
-        layers to float8 (``"fp8"``), then spread it as the Accelerator's strategy does: DDP, FSDP2
-        (an ``fsdp_plugin``), tensor parallelism (a ``parallelism_config``).
+        """Convert its layers as the precision says (``"fp8"``: Linear to Float8Linear), move it to
+        the device, wrap the forward in autocast (mixed precision), spread it as the Accelerator's
+        strategy does (DDP, FSDP2 with an ``fsdp_plugin``, tensor parallelism with a
+        ``parallelism_config``), its forward compiled before (``dynamo_backend``, in place).
 
         DDP is used only with more than one process, FSDP with one too, all only for trainable
         parameters (and not with ``evaluation_mode``), never on XLA (the prepared optimizer averages
@@ -96,14 +95,16 @@ class PrepareMethods(AcceleratorHost):
             device_placement = self.device_placement
         trainable = not evaluation_mode and not self._on_xla and any(p.requires_grad for p in model.parameters())
         strategy = self._strategy
-        if self.fp8_recipe is not None and trainable:  # before sharding: FSDP2 then shards the fp8 layers
-            model = fp8.convert_to_fp8(model, self.fp8_recipe, sharded=self.is_fsdp2, device=self.device)
+        # Before conversion: a torchao config may give the fp8 layers new Parameters, and an
+        # optimizer made before prepare must train them.
         before = dict(model.named_parameters())
+        if trainable:  # before sharding: FSDP2 then shards the fp8 layers
+            model = self._precision.convert(model, sharded=self.is_fsdp2)
         if device_placement and strategy.places(trainable):
             model = placement.move_keeping_ties(model, self.device) if self._on_xla else model.to(self.device)
-        if (self._autocast_dtype is not None and strategy.autocasts(trainable)
-                and not isinstance(model.__dict__.get("forward"), AutocastForward)):
-            model.forward = AutocastForward(model.forward, self.device.type, self._autocast_dtype)
+        if strategy.autocasts(trainable):
+            self._precision.wrap_forward(model)
+        self._compile_step.compile(model)  # its forward, in place: DDP and FSDP2 wrap the compiled model
         model = strategy.wrap_model(model, self.device, trainable)
         self._replaced_parameters.record(before, model)
         for prepared in self._optimizers:  # prepared before their model
@@ -129,9 +130,7 @@ class PrepareMethods(AcceleratorHost):
             device_placement = self.device_placement
         self._replaced_parameters.switch(optimizer)
         self._strategy.check_optimizer(self._models, optimizer)  # e.g. one over a sharded model and more
-        for model in self._models:
-            if is_sharded(model) and fp8.gathers_in_fp8(model) and fp8.optimizer_trains(optimizer, model):
-                fp8.rescale_after_step(optimizer, model)
+        self._precision.optimizer_prepared(optimizer, [model for model in self._models if is_sharded(model)])
         if device_placement and self._on_xla:
             placement.check_on_xla(optimizer)
         if device_placement and self.device.type != "cpu" and optimizer.state:

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -76,12 +75,7 @@ class TrainingStepMethods(AcceleratorHost):
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """Autocast context of the configured mixed precision (a null context for ``"no"``)."""
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        kwargs = dict(self.autocast_kwargs)
-        if autocast_handler is not None:
-            kwargs.update(autocast_handler.to_kwargs())
-        return torch.autocast(self.device.type, dtype=self._autocast_dtype, **kwargs)
+        return self._precision.autocast(autocast_handler.to_kwargs() if autocast_handler is not None else None)
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
         """Profile the block with torch's profiler (``ProfileKwargs``: this one, else the one

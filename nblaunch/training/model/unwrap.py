@@ -13,7 +13,7 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nblaunch.training.model.mixed_precision import AutocastForward
+from nblaunch.training.precision.autocast import AutocastForward
 
 __all__ = ["unwrap_model", "is_deepspeed_engine"]
 

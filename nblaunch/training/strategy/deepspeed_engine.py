@@ -59,6 +59,9 @@ class DeepSpeedStrategy(Strategy):
 
     def __init__(self, plugin: DeepSpeedPlugin, state: PartialState, mixed_precision: str,
                  split_batches: bool) -> None:
+        if mixed_precision == "fp8":  # before DeepSpeed is imported or its config read
+            raise NotImplementedError("mixed_precision='fp8' with a deepspeed_plugin is not supported by nblaunch: "
+                                      "train DeepSpeed in 'bf16', or fp8 with DDP or an fsdp_plugin")
         require_deepspeed()
         plugin.set_mixed_precision(mixed_precision)  # refuses a config of the other precision
         self.plugin = plugin
@@ -75,8 +78,12 @@ class DeepSpeedStrategy(Strategy):
     def autocasts(self, trainable: bool) -> bool:
         return False  # DeepSpeed's fp16/bf16 sections, not autocast
 
-    def native_amp(self) -> bool:
-        return False
+    def own_precision(self) -> str | None:
+        return self.plugin.config_precision()  # the config's fp16/bf16 sections, no autocast or GradScaler
+
+    def refuses_compile(self) -> str | None:
+        return ("dynamo_backend with a deepspeed_plugin is not supported by nblaunch yet: compile with "
+                "DDP or an fsdp_plugin, or train DeepSpeed eagerly (dynamo_backend='no')")
 
     def divides_loss(self) -> bool:
         return False  # the engine divides by its gradient_accumulation_steps

@@ -81,9 +81,14 @@ class Strategy:
         """Clamp every gradient to ``[-clip_value, clip_value]``."""
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    def native_amp(self) -> bool:
-        """Whether the Accelerator's autocast and fp16 GradScaler apply (DeepSpeed has its own)."""
-        return True
+    def own_precision(self) -> str | None:
+        """The precision this stack computes in by itself ("fp16", "bf16", "no": DeepSpeed's
+        config), instead of the Accelerator's autocast and GradScaler; None: the Accelerator's."""
+        return None
+
+    def refuses_compile(self) -> str | None:
+        """Why this stack cannot have ``prepare`` compile its models (what to do instead), or None."""
+        return None
 
     def clip_grad_norm_(self, parameters: list, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip and return the total norm (over every rank's shards for a sharded model)."""
