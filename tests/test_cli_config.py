@@ -146,7 +146,7 @@ def test_what_nblaunch_does_not_do_is_refused_before_anything_starts(tmp_path):
         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  offload_optimizer_device: disk\n":
             "offload_optimizer_device='disk'): give one of ('none', 'cpu', 'nvme')",
         "distributed_type: MEGATRON_LM\n": "Megatron-LM",
-        "distributed_type: MULTI_GPU\ndynamo_config:\n  dynamo_backend: INDUCTOR\n": "compile in the script",
+        "distributed_type: MULTI_CPU\ndynamo_config:\n  dynamo_backend: NO_SUCH\n": "'no_such' is not a torch.compile backend",
         "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: NO\n": "use accelerate launch for SageMaker",
         "distributed_type: MULTI_NPU\n": "it runs on CUDA GPUs, CPUs and TPUs",
         "distributed_type: MULTI_CPU\nnum_processes: 3\nnum_machines: 2\n": "not a multiple of num_machines: 2",
@@ -167,6 +167,30 @@ def test_what_nblaunch_does_not_do_is_refused_before_anything_starts(tmp_path):
     config = write(tmp_path, "gpus.yaml", "distributed_type: MULTI_GPU\nnum_processes: 1\ngpu_ids: 0\n")
     done = nblaunch("--config_file", config, "report.py", cwd=tmp_path, CUDA_VISIBLE_DEVICES="1")
     assert done.returncode == 2 and "gpu_ids: 0 and CUDA_VISIBLE_DEVICES=1 disagree" in done.stderr
+
+
+def test_a_dynamo_config_and_the_dynamo_flags_reach_every_ranks_accelerator(tmp_path):
+    write(tmp_path, "report.py", """
+        from nblaunch import Accelerator
+
+        plugin = Accelerator().state.dynamo_plugin
+        print(plugin.backend, plugin.mode, plugin.fullgraph, plugin.use_regional_compilation)
+    """)
+    config = write(tmp_path, "dynamo.yaml", CPU_BF16 + """
+    dynamo_config:
+      dynamo_backend: AOT_EAGER
+      dynamo_mode: default
+      dynamo_use_fullgraph: true
+      dynamo_use_dynamic: false
+      dynamo_use_regional_compilation: false
+""")
+    done = nblaunch("--config_file", config, "--dynamo_mode", "max-autotune", "--dynamo_use_regional_compilation",
+                    "report.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert rank_lines(done.stdout) == [f"[rank {r}] aot_eager max-autotune True True" for r in (0, 1)]
+    done = nblaunch("--num_processes", "2", "--cpu", "--dynamo_backend", "nosuch", "report.py", cwd=tmp_path)
+    assert done.returncode == 2 and "'nosuch' is not a torch.compile backend here" in done.stderr
+    assert done.stdout == ""
 
 
 @pytest.mark.slow

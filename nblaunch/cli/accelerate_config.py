@@ -13,7 +13,8 @@ Honoured: ``num_processes`` (Accelerate's count over every machine), ``num_machi
 ``gpu_ids`` (as ``CUDA_VISIBLE_DEVICES``), ``distributed_type`` (NO: one process; MULTI_CPU: on the
 CPU; FSDP: ``fsdp_config`` reaches every rank's Accelerator as Accelerate's ``FSDP_*`` variables),
 and keys with nothing to do here; DEEPSPEED: ``deepspeed_config`` reaches every rank as Accelerate's
-``ACCELERATE_DEEPSPEED_*`` variables (``cli/deepspeed_file``). Megatron-LM, dynamo and the like are refused with
+``ACCELERATE_DEEPSPEED_*`` variables (``cli/deepspeed_file``); ``dynamo_config``: ``ACCELERATE_DYNAMO_*``
+(``cli/dynamo_options``). Megatron-LM and the like are refused with
 what to do; keys nblaunch does not know are named in one warning.
 
 Example::
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from nblaunch.cli.deepspeed_file import deepspeed_environ
+from nblaunch.cli.dynamo_options import dynamo_from_file
 from nblaunch.contract.precision import AUTO, fast_precision, parse_precision
 from nblaunch.contract.variables import ACCELERATE_USE_FSDP, FSDP_VARIABLES
 from nblaunch.launch.planning.devices import cuda_capability, cuda_device_count
@@ -72,6 +74,7 @@ class AccelerateConfig:
     total_processes: int | None = None
     fsdp: dict[str, Any] = field(default_factory=dict)
     deepspeed: dict[str, str] = field(default_factory=dict)  # the variables of its deepspeed_config
+    dynamo: dict[str, Any] = field(default_factory=dict)  # its dynamo_config (cli/dynamo_options)
     unknown: list[str] = field(default_factory=list)
 
 
@@ -164,6 +167,7 @@ def read_config(path: str) -> AccelerateConfig:
             config.deepspeed = deepspeed_environ(raw.get("deepspeed_config"), path)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    config.dynamo = dynamo_from_file(raw)
     fsdp = raw.get("fsdp_config") or {}
     if not isinstance(fsdp, dict):
         raise ConfigError(f"{path}: fsdp_config: expected fsdp_...: value lines under it, found {fsdp!r}")
@@ -267,11 +271,6 @@ def _refusals(raw: dict[str, Any], path: str) -> None:
     kind = str(raw.get("distributed_type") or "").upper()
     if kind == "MEGATRON_LM" or raw.get("megatron_lm_config"):
         refuse("Megatron-LM (distributed_type: MEGATRON_LM, megatron_lm_config)", _OTHER_CONFIG)
-    dynamo = raw.get("dynamo_config") if isinstance(raw.get("dynamo_config"), dict) else {}
-    backend = raw.get("dynamo_backend") or dynamo.get("dynamo_backend") or dynamo.get("backend")
-    if backend is not None and str(backend).upper() != "NO":
-        refuse(f"dynamo_backend: {backend}", "compile in the script (model = torch.compile(model)) and remove "
-               "dynamo_config from the file")
     for key, why in (("fp8_config", "give the recipe in the script (Accelerator(mixed_precision='fp8', "
                                     "kwargs_handlers=[...]))"),
                      ("parallelism_config", "give the sizes in the script (Accelerator(parallelism_config="

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 
+from nblaunch.cli.dynamo_options import add_dynamo_flags, dynamo_environ
 from nblaunch.cli.accelerate_config import (ConfigError, apply_config, config_to_read, read_config,
                                             visible_devices)
 from nblaunch.cli.args import at_least_one, at_least_zero, precision, processes, seconds
@@ -51,7 +52,6 @@ _REFUSED = {
     "--use_deepspeed": "DeepSpeed is not supported by nblaunch",
     "--deepspeed_config_file": "DeepSpeed is not supported by nblaunch",
     "--use_megatron_lm": "Megatron-LM is not supported by nblaunch",
-    "--dynamo_backend": "compile in the script: model = torch.compile(model)",
     "--tpu": "on a TPU host nblaunch uses torch_xla by itself; leave the flag out",
     "--rdzv-backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
     "--rdzv_backend": "nblaunch sets a static rendezvous; use --master-addr and --port",
@@ -138,6 +138,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     for key in FSDP_VARIABLES:  # all of accelerate launch's; the ones --help leaves out do nothing here, or are refused
         fsdp.add_argument(f"--{key}", default=None, metavar=_FSDP_HELP.get(key, ("V",))[0],
                           help=_FSDP_HELP[key][1] if key in _FSDP_HELP else argparse.SUPPRESS)
+    add_dynamo_flags(launch)
     for flag in _REFUSED:
         add(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
     add("script", metavar="script.py", help="the training script (or, with -m, a module)")
@@ -175,9 +176,10 @@ def run(options: argparse.Namespace) -> int:
         path = config_to_read(options.config_file, options.cpu)
         config = read_config(path) if path else None
         rank_environ = apply_config(options, config)
+        rank_environ.update(dynamo_environ(options, config.dynamo if config is not None else {}))
         devices = visible_devices(options.gpu_ids, options.cpu, options.cluster,
                                   os.environ.get(CUDA_VISIBLE_DEVICES))
-    except ConfigError as error:
+    except (ConfigError, ValueError) as error:
         print(f"nblaunch launch: {error}", file=sys.stderr)
         return USAGE
     if config is not None:
