@@ -4,7 +4,6 @@ stall names its rank, a cell may run on some ranks, and the hostile cases leave 
 
 from __future__ import annotations
 
-import os
 import re
 
 import psutil
