@@ -15,6 +15,13 @@ from nblaunch.training import Accelerator
 from nblaunch.utils import TorchDynamoPlugin
 
 
+@pytest.fixture
+def compiles_here(monkeypatch, tmp_path):
+    """For a test that compiles in this process: torch's first compile writes its default cache
+    folder into os.environ where none is set (torch 2.9); give it one, taken back after."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor_here"))
+
+
 def build_model() -> torch.nn.Module:
     """A Sequential: all of it torch's own code, which dynamo compiles only where the model's own
     forward is compiled (under DDP's compiled wrapper nothing would be)."""
@@ -113,7 +120,7 @@ def test_a_compile_that_fails_names_the_line_and_what_to_try_on_every_rank(launc
     assert "TorchDynamoPlugin(fullgraph=False)" in text and "dynamo_backend='no'" in text
 
 
-def test_the_plugin_reads_accelerates_variables_and_objects(monkeypatch):
+def test_the_plugin_reads_accelerates_variables_and_objects(monkeypatch, compiles_here):
     for name, value in {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_MODE": "max-autotune",
                         "ACCELERATE_DYNAMO_USE_FULLGRAPH": "true", "ACCELERATE_DYNAMO_USE_DYNAMIC": "false",
                         "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "1"}.items():
@@ -128,7 +135,7 @@ def test_the_plugin_reads_accelerates_variables_and_objects(monkeypatch):
     assert Accelerator(dynamo_plugin=theirs).state.dynamo_plugin.backend == "aot_eager"
 
 
-def test_bad_compile_settings_are_refused_when_the_accelerator_is_made(monkeypatch):
+def test_bad_compile_settings_are_refused_when_the_accelerator_is_made(compiles_here):
     with pytest.raises(ValueError, match="not a torch.compile backend here; these are: .*inductor"):
         Accelerator(dynamo_backend="no_such_backend")
     with pytest.raises(ValueError, match="give dynamo_backend or dynamo_plugin, not both"):
@@ -160,9 +167,48 @@ def regional(backend: str) -> dict:
             "keys": sorted(model.state_dict())}
 
 
-def test_regional_compilation_compiles_each_block_and_keeps_the_keys():
+def test_regional_compilation_compiles_each_block_and_keeps_the_keys(compiles_here):
     result = regional("eager")
     assert result["blocks"] == [True, True, True] and not result["head"]
     assert result["compiled_calls"] > 0
     assert result["keys"] == sorted(f"blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")) + \
         ["head.bias", "head.weight"]
+
+
+def compiled_and_eager_under(stack: str) -> dict:
+    """The same training eagerly and compiled (aot_eager: dynamo and AOT autograd, no C++) under
+    FSDP2 or fp8 (torchao, emulated on the CPU)."""
+    import warnings
+
+    from nblaunch.utils import FullyShardedDataParallelPlugin
+
+    warnings.simplefilter("ignore")  # fp8 on the CPU says it is emulated
+    losses = {}
+    for backend in ("no", "aot_eager"):
+        options = ({"fsdp_plugin": FullyShardedDataParallelPlugin()} if stack == "fsdp"
+                   else {"mixed_precision": "fp8"})
+        accelerator = Accelerator(dynamo_backend=backend, **options)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        generator = torch.Generator().manual_seed(accelerator.process_index)
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        losses[backend] = []
+        for _ in range(5):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[backend].append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["fsdp", "fp8"])
+def test_compiling_composes_with_fsdp2_and_fp8(launch, stack):
+    if stack == "fp8":
+        pytest.importorskip("torchao.float8")
+    for rank in launch(compiled_and_eager_under, stack):
+        assert rank["aot_eager"] == pytest.approx(rank["no"], abs=1e-4)

@@ -102,3 +102,42 @@ def test_an_optimizer_made_before_prepare_trains_the_layers_a_torchao_config_giv
     torch.nn.functional.mse_loss(model(torch.randn(8, 32)), torch.zeros(8, 4)).backward()
     optimizer.step()
     assert not torch.equal(model[2].weight.detach().float(), before)
+
+
+def test_with_the_same_recipe_fp8_trains_as_accelerates_and_accelerates_default_leaves_its_fp8_layers_untrained():
+    """docs/accelerator.md's claims, on one CPU process from the same start: with a recipe that
+    keeps the Parameters (fp8 all-gathers off) our losses are Accelerate's; with Accelerate's own
+    default recipe its converted layers keep their first weights (its optimizer, made before
+    ``prepare``, steps the replaced Parameters), ours train."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import AORecipeKwargs as Theirs
+    from torchao.float8 import Float8LinearConfig
+
+    def train(accelerator) -> tuple[list[float], bool]:
+        model = build_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = model[2].weight.detach().clone()
+        model, optimizer = accelerator.prepare(model, optimizer)
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 32, generator=generator)
+        y = (x[:, :4] > 0).float()
+        losses = []
+        for _ in range(10):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, not torch.equal(model[2].weight.detach().float(), before)
+
+    kept = Float8LinearConfig(enable_fsdp_float8_all_gather=False)
+    theirs, their_layer_trained = train(accelerate.Accelerator(mixed_precision="fp8",
+                                                               kwargs_handlers=[Theirs(config=kept)]))
+    accelerate.state.AcceleratorState._reset_state(True)
+    ours, our_layer_trained = train(Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=kept)]))
+    assert ours == pytest.approx(theirs, abs=1e-5) and their_layer_trained and our_layer_trained
+    _, their_default_trained = train(accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[Theirs()]))
+    accelerate.state.AcceleratorState._reset_state(True)
+    default = Float8LinearConfig(enable_fsdp_float8_all_gather=True, pad_inner_dim=True)  # Accelerate's default
+    _, our_default_trained = train(Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=default)]))
+    assert our_default_trained and not their_default_trained
