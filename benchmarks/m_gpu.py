@@ -14,10 +14,7 @@ first launch and its second (a cell run again); nblaunch takes such ranks from i
 by itself (started by the first), raw torch must be told ``start_method="spawn"``; for reference
 nblaunch from a process that never touched CUDA (fork).
 (c) the failure path: the rank uses the GPU, then raises; seconds from its raise to the launcher's.
-(d) fp8 against bf16 (part ``fp8``, when torchao is installed): the same training with a Llama of
-the GPT-2's size (4 layers, 256 wide; GPT-2's layers are ``Conv1D``, which no fp8 recipe converts),
-nblaunch in bf16 and in fp8 (``AORecipeKwargs``), and Accelerate's own fp8; steps/s and how many
-Linear layers became ``Float8Linear``.
+(d) fp8 against bf16, both compiled (part ``fp8``, when torchao is installed): ``gpu_fp8``.
 
 Every sample runs in a fresh interpreter (a "carrier", as a notebook kernel would be), so no
 implementation inherits another's CUDA state. Without a CUDA device the measurement says so and
@@ -34,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import gpu_fp8
 from benchmarks import gpu_tutorial as tutorial
 from benchmarks.common import free_port, have_accelerate, interleave, pair_ratios, row
 
@@ -65,23 +63,19 @@ def no_cuda_reason() -> str | None:
 
 
 # ----------------------------------------------------------------------------- inside a rank
-def _model(architecture: str):
+def _model():
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    if architecture == "llama":  # Linear layers, which fp8 converts; the GPT-2's size
-        return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024,
-                                            num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128))
     return GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=4))
 
 
-def train_steps(impl: str, warmup: int, steps: int, out: str | None = None, precision: str = "bf16",
-                architecture: str = "gpt2") -> dict:
+def train_steps(impl: str, warmup: int, steps: int, out: str | None = None) -> dict:
     """Build the model as a user of ``impl`` would, train, and time ``steps`` steps on the GPU."""
     import torch
 
-    model = _model(architecture)
+    model = _model()
     config = model.config
     ids = torch.randint(0, config.vocab_size, ((warmup + steps) * 16, 128), generator=torch.Generator().manual_seed(0))
     dataset = torch.utils.data.TensorDataset(ids)
@@ -103,11 +97,7 @@ def train_steps(impl: str, warmup: int, steps: int, out: str | None = None, prec
     else:
         Accelerator = (__import__("nblaunch", fromlist=["Accelerator"]) if impl == "nblaunch"
                        else __import__("accelerate", fromlist=["Accelerator"])).Accelerator
-        handlers = []
-        if precision == "fp8":
-            module = "nblaunch.utils" if impl == "nblaunch" else "accelerate.utils"
-            handlers = [__import__(module, fromlist=["AORecipeKwargs"]).AORecipeKwargs()]
-        accelerator = Accelerator(mixed_precision=precision, kwargs_handlers=handlers)
+        accelerator = Accelerator(mixed_precision="bf16")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, optimizer, loader = accelerator.prepare(
             model, optimizer, torch.utils.data.DataLoader(dataset, batch_size=16))
@@ -188,8 +178,7 @@ def carrier(job: str, impl: str, options: dict) -> dict:
         if job == "train":
             import transformers  # noqa: F401  (imported before the call, as a notebook's first cell does)
 
-            _launch(impl, train_steps, (impl, options["warmup"], options["steps"], out,
-                                        options.get("precision", "bf16"), options.get("architecture", "gpt2")), "fork")
+            _launch(impl, train_steps, (impl, options["warmup"], options["steps"], out), "fork")
             with open(out) as f:
                 return json.load(f)
         if job == "launch":  # a kernel's first launch, then its second (a cell run again)
@@ -254,10 +243,6 @@ def run(quick: bool = False, size: str | None = None) -> dict:
         "train": {i: (lambda i=i: _carry("train", i, warmup=warmup, steps=steps)) for i in impls},
         "failure": {i: (lambda i=i: _carry("failure", i)) for i in impls},
         "launch": launches,
-        "fp8": {f"{impl} {precision}": (lambda impl=impl, precision=precision: _carry(
-                    "train", impl, warmup=warmup, steps=steps, precision=precision, architecture="llama"))
-                for impl, precision in (("nblaunch", "bf16"), ("nblaunch", "fp8"), ("accelerate", "fp8"))
-                if impl == "nblaunch" or have_accelerate()},
     }
     parts = {part: jobs for part, jobs in parts.items() if part in wanted}
     # Round by round across the three parts, so a lane short of time still has each part measured.
@@ -272,7 +257,7 @@ def run(quick: bool = False, size: str | None = None) -> dict:
             notes += [f"{part}, {name}: failed: {errors[0]}" for name, errors in done["_errors"].items()]
     rows = tutorial_rows + (_train_rows(res["train"], impls) if "train" in parts else [])
     rows += _failure_rows(res["failure"], impls) if "failure" in parts else []
-    rows += _fp8_rows(res["fp8"]) if "fp8" in parts else []
+    rows += gpu_fp8.rows(rounds) if "fp8" in wanted else []
     for key, which in (("launch_s", "a process's first"), ("again_s", "the second")):
         for impl in launches if "launch" in parts else ():
             values = [None if r is None or not r["ok"] else r[key] for r in res["launch"][impl]]
@@ -300,18 +285,6 @@ def _train_rows(res: dict[str, list], impls: list[str]) -> list[dict]:
         rows.append(row(impl, "GPT-2 (4 layers, 256 wide) bf16 steps/s, 1 GPU rank", "steps/s", sps[impl],
                         goal=">= 0.98x raw" if impl == "nblaunch" else None, met=met, ratios=ratios,
                         lower_is_better=False, note=f"peak {done[0]['peak_mib']:.0f} MiB" if done else None))
-    return rows
-
-
-def _fp8_rows(res: dict[str, list]) -> list[dict]:
-    sps = {name: [None if r is None else r["steps_per_s"] for r in results] for name, results in res.items()}
-    rows = []
-    for name, results in res.items():
-        done = [r for r in results if r is not None]
-        ratios = {"vs nblaunch bf16": pair_ratios(sps[name], sps["nblaunch bf16"])} if name != "nblaunch bf16" else None
-        rows.append(row(name, "Llama (4 layers, 256 wide) steps/s, 1 GPU rank", "steps/s", sps[name], ratios=ratios,
-                        lower_is_better=False,
-                        note=f"{done[0]['float8_layers']} Float8Linear, loss {done[0]['loss']:.3f}" if done else None))
     return rows
 
 

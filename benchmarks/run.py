@@ -43,6 +43,8 @@ MEASUREMENTS = {
               "scikit-learn and trains a small CNN, 2 s after the one before", 600),
     "sweep": ("benchmarks.m_sweep:run", "13. A sweep: 5 launches back to back of that function, in a script and "
               "in one cell", 600),
+    "compile": ("benchmarks.m_compile:run", "14. Compiled re-runs: a model compiled with Inductor, 2 ranks, launched "
+                "again in the same interpreter and after a restart", 900),
 }
 
 
