@@ -212,3 +212,17 @@ def test_compiling_composes_with_fsdp2_and_fp8(launch, stack):
         pytest.importorskip("torchao.float8")
     for rank in launch(compiled_and_eager_under, stack):
         assert rank["aot_eager"] == pytest.approx(rank["no"], abs=1e-4)
+
+
+def test_a_copy_of_a_compiled_model_computes_with_its_own_weights(compiles_here):
+    """An EMA or a teacher made with ``copy.deepcopy`` after ``prepare``: its compiled forward is
+    its own, not the original's."""
+    import copy
+
+    model = Accelerator(dynamo_backend="eager").prepare(torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.zero_()
+    assert twin(torch.ones(1, 4)).abs().sum() == 0 and model(torch.ones(1, 4)).abs().sum() > 0

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import traceback
@@ -76,13 +77,12 @@ class CompileStep:
         if not self.enabled or is_compiled(model):
             return
         watch_compiles()  # the rank's row says "compiling" while it does
-        kwargs = self.plugin.to_kwargs()
         blocks = [block for module in model.modules() if isinstance(module, torch.nn.ModuleList) for block in module]
         if not self.plugin.use_regional_compilation or not blocks:
             blocks = [model]
         for block in blocks:
             what = "the model" if block is model else f"a block of the model ({type(block).__name__})"
-            block.forward = _CompiledForward(torch.compile(block.forward, **kwargs), self.plugin, what)
+            block.forward = _CompiledForward(block.forward, self.plugin, what)
 
 
 def check_backend(backend: str) -> None:
@@ -96,22 +96,28 @@ def check_backend(backend: str) -> None:
 
 
 class _CompiledForward:
-    """A compiled ``forward`` whose compile failure is told as one: where in the user's code,
-    what to try."""
+    """A module's ``forward`` compiled, whose compile failure is told as one (where in the user's
+    code, what to try). It keeps the ``forward`` it compiles, so a copy of the model
+    (``copy.deepcopy``: an EMA, a teacher) or a pickled one compiles its own, not this one's."""
 
     def __init__(self, forward: Callable, plugin: TorchDynamoPlugin, what: str) -> None:
-        self.forward, self.plugin, self.what = forward, plugin, what
+        self.original, self.plugin, self.what = forward, plugin, what
+        self.compiled = torch.compile(forward, **plugin.to_kwargs())  # compiles at its first call
         functools.update_wrapper(self, forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.forward(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
         except Exception as error:
             if not _is_compile_error(error):
                 raise
             raise CompileFailed(_explain(error, self.plugin, self.what)) from error
 
+    def __deepcopy__(self, memo: dict) -> "_CompiledForward":
+        return _CompiledForward(copy.deepcopy(self.original, memo), self.plugin, self.what)
 
+    def __reduce__(self) -> tuple:
+        return _CompiledForward, (self.original, self.plugin, self.what)
 
 
 def _is_compile_error(error: BaseException) -> bool:
