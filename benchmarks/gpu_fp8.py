@@ -85,11 +85,9 @@ def sample(name: str, launches: int = 1) -> list[dict]:
                 "from benchmarks.workloads import run_launch\n"
                 + "".join(f"run_launch({impl!r}, mlp_steps, ({impl!r}, {precision!r}, {out!r}), nprocs=1)\n"
                           for out in outs))
-        env = dict(os.environ, NBLAUNCH_COMPILE_CACHE=os.path.join(scratch, "cache"),
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "cache-torch")) if impl != "nblaunch" else \
-            dict(os.environ, NBLAUNCH_COMPILE_CACHE=os.path.join(scratch, "cache"))
-        if impl == "nblaunch":
-            env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        env = dict(os.environ)  # a fresh cache: nblaunch's folder, torch's own for Accelerate
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        env["NBLAUNCH_COMPILE_CACHE" if impl == "nblaunch" else "TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "cache")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
         if done.returncode:
             raise RuntimeError(done.stderr[-800:])
