@@ -17,9 +17,11 @@ import time
 from typing import Any, Callable
 
 from nblaunch.events import Event, Stacks
+from nblaunch.proctree import stat_fields
 
 _FAULTHANDLER_GRACE_S = 0.3  # for ranks whose Python threads could not answer (GIL held in C)
 _FULL_REPORT_S = 1.0  # a failed rank sends its traceback and exits within milliseconds of its first report
+_FULL_REPORT_BUSY_S = 5.0  # ...or, on a machine busy with other work, while it keeps using a CPU on it
 _REAP_BACKSTOP_S = 10.0
 _SILENT = ("(it did not answer within {budget:g} s: busy in C holding Python's lock, or starved of CPU; "
            "faulthandler's dump of its threads, where it could write one, is in its stderr above)")
@@ -60,6 +62,14 @@ class StoppingRanks:
             if not any(r.process is process for r in waiting):
                 process.kill()
         self._pump_until(lambda: all(r.finished for r in waiting), _FULL_REPORT_S)
+        # Starved of CPU (other work on the machine), a rank still writing its report is working,
+        # not hung: wait on while its CPU time grows, up to _FULL_REPORT_BUSY_S in all.
+        used = {r.process.pid: _cpu_ticks(r.process.pid) for r in waiting if not r.finished}
+        end = time.monotonic() + _FULL_REPORT_BUSY_S - _FULL_REPORT_S
+        while used and time.monotonic() < end:
+            self._pump_until(lambda: all(r.finished for r in waiting), 0.25)
+            now = {pid: _cpu_ticks(pid) for pid in {r.process.pid for r in waiting if not r.finished}}
+            used = {pid: ticks for pid, ticks in now.items() if ticks is not None and ticks > (used.get(pid) or 0)}
         for process in self._live_processes():
             process.kill()
 
@@ -97,3 +107,8 @@ class StoppingRanks:
             os.close(self._wake_write)
             self._wake_read = self._wake_write = -1
 
+
+def _cpu_ticks(pid: int) -> int | None:
+    """The CPU time ``pid`` has used (user + system, clock ticks); None if it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[11]) + int(fields[12])
