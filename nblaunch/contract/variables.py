@@ -41,6 +41,7 @@ STALL_AFTER = "NBLAUNCH_STALL_AFTER"  # the launch's stall_after= in seconds; ab
 LAUNCH_ID = "NBLAUNCH_LAUNCH_ID"  # every process of a launch carries it: found and stopped by it
 COMPILE_CACHE = "NBLAUNCH_COMPILE_CACHE"  # where ranks keep torch.compile's code (launch/planning/compile_cache)
 TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"  # torch's: Inductor's on-disk caches
+TORCHINDUCTOR_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"  # torch's: Inductor's compile workers per process
 STATE_DIR = "NBLAUNCH_STATE_DIR"  # where detached launches are kept (the user's choice)
 AGENT_TOKEN = "NBLAUNCH_AGENT_TOKEN"  # what a node's agent shows the driver it connects to (never on a command line)
 # The user's settings of a warm start (docs/warm-start.md): "0" turns loading ahead off; standby

@@ -8,7 +8,7 @@ import getpass
 
 import torch
 
-from nblaunch.launch.planning.compile_cache import compile_cache_dir, compile_cache_environ
+from nblaunch.launch.planning.compile_cache import compile_cache_dir, compile_cache_environ, compile_environ
 
 VERSION = f"torch-{torch.__version__}"
 
@@ -32,3 +32,12 @@ def test_a_folder_that_cannot_be_made_leaves_torchs_default(tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     assert compile_cache_environ({"NBLAUNCH_COMPILE_CACHE": str(blocked)}) == {}
+
+
+def test_each_rank_gets_its_share_of_compile_workers_unless_the_user_chose(tmp_path):
+    from nblaunch.launch.planning.threads import usable_cores
+
+    base = {"NBLAUNCH_COMPILE_CACHE": str(tmp_path)}
+    assert compile_environ(2, base)["TORCHINDUCTOR_COMPILE_THREADS"] == str(max(1, usable_cores() // 2))
+    assert compile_environ(10_000, base)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in compile_environ(2, dict(base, TORCHINDUCTOR_COMPILE_THREADS="8"))

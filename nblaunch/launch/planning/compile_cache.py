@@ -1,4 +1,5 @@
-"""Where ranks keep what ``torch.compile`` compiled, so the next launch finds it.
+"""Where ranks keep what ``torch.compile`` compiled, so the next launch finds it, and how many
+compile workers each rank starts.
 
 Every launch starts fresh processes: a compiled model would compile again at every re-run of
 its cell. Inductor keeps its compiled graphs, kernels and autotuning results on disk
@@ -11,6 +12,10 @@ folder per torch version instead::
 shared by a launch's ranks and kept across launches and kernel restarts. A new torch gets a new
 folder; changed code makes a different graph, whose key is not found (Inductor's keys hash the
 graph, its inputs and the config). A ``TORCHINDUCTOR_CACHE_DIR`` the user set is kept.
+
+Inductor compiles in a pool of worker processes, as many as the process may use cores: every rank
+of a launch compiles at once, so each gets its share (``TORCHINDUCTOR_COMPILE_THREADS``, unless
+the user set it), as each gets its share of intra-op threads.
 
 Example::
 
@@ -28,8 +33,19 @@ from importlib import metadata
 from typing import Mapping
 
 from nblaunch.contract import variables as v
+from nblaunch.launch.planning.threads import usable_cores
 
-__all__ = ["compile_cache_environ", "compile_cache_dir"]
+__all__ = ["compile_environ", "compile_cache_environ", "compile_cache_dir"]
+
+
+def compile_environ(num_processes: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a launch's ``num_processes`` ranks on a machine are given for compiling: the cache
+    folder and each one's share of compile workers."""
+    environ = os.environ if environ is None else environ
+    given = compile_cache_environ(environ)
+    if v.TORCHINDUCTOR_COMPILE_THREADS not in environ:
+        given[v.TORCHINDUCTOR_COMPILE_THREADS] = str(max(1, usable_cores() // num_processes))
+    return given
 
 
 def compile_cache_dir(environ: Mapping[str, str] | None = None) -> str:

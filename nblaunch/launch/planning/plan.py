@@ -26,7 +26,7 @@ from nblaunch.contract import variables as v
 from nblaunch.contract.precision import AUTO, FP8_EMULATED_ON_CPU, FP8_HARDWARE, fast_precision
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import cuda_culprit, devices, ports, tpu
-from nblaunch.launch.planning.compile_cache import compile_cache_environ
+from nblaunch.launch.planning.compile_cache import compile_environ
 from nblaunch.launch.planning.request import START_METHODS, LaunchRequest
 from nblaunch.launch.planning.threads import threads_per_worker
 
@@ -83,7 +83,7 @@ class LaunchPlan:
             # (a mismatch is a clear error instead of a hang waiting for ranks that never come).
             v.TORCHELASTIC_RUN_ID: request.run_id,
         }
-        env.update(compile_cache_environ())  # compiled code kept for the next launch
+        env.update(compile_environ(self.num_processes))  # compiled code kept for the next launch
         if request.stall_after is not None:
             env[v.STALL_AFTER] = repr(float(request.stall_after))
         if self.device_kind != "xla":
