@@ -15,7 +15,7 @@ Example::
     ranks.run(train)                            # [0, 1], on ranks that stay up for the next call
 """
 
-from nblaunch.api import Launch, attach, debug, debug_launcher, launches, notebook_launcher, warm_start
+from nblaunch.api import Launch, attach, debug, debug_launcher, launches, notebook_launcher, preloaded
 from nblaunch.detached.detached_launch import DetachedLaunch, LaunchLostError
 from nblaunch.contract.failure import RankFailure, RemoteError
 from nblaunch.contract.version import __version__
@@ -28,12 +28,12 @@ from nblaunch.launch.errors import (
 )
 from nblaunch.launch.planning import cuda_culprit
 from nblaunch.launch.planning.devices import cuda_device_count
-from nblaunch.launch.ahead.early_start import start_early
+from nblaunch.launch.starting.server_starter import start_early
 from nblaunch.warm.ranks import WarmRanks
 from nblaunch.worker.progress import progress
 
 cuda_culprit.watch()  # so a launch after CUDA was initialised can name the line that did it
-start_early()  # in a notebook with a GPU: the launch server, before the first launch needs it
+start_early()  # in a notebook that started CUDA: the launch server, before the first launch needs it
 
 # The training side (torch.nn, DDP, ...) loads on first use, not when the launcher is imported.
 _TRAINING_NAMES = {
@@ -80,7 +80,7 @@ __all__ = [
     "notebook_launcher",
     "launches",
     "attach",
-    "warm_start",
+    "preloaded",
     "DetachedLaunch",
     "LaunchLostError",
     "gpu_count",

@@ -19,7 +19,7 @@ from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
-from nblaunch.launch.ahead.report import warm_start  # noqa: F401  (a public name: nblaunch.warm_start)
+from nblaunch.launch.starting.report import preloaded  # noqa: F401  (a public name: nblaunch.preloaded)
 from nblaunch.launch.post_mortem import debug  # noqa: F401  (a public name: nblaunch.debug)
 from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks

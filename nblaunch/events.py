@@ -51,7 +51,6 @@ class LaunchStarted:
 class RankStarted:
     rank: int  # local rank on this node
     pid: int
-    began: str = ""  # how it began warm, in words ("waited on GPU 0 since 14:02:11, CUDA ready"), if it did
 
 
 @dataclass(frozen=True)

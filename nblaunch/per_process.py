@@ -1,14 +1,14 @@
 """The objects nblaunch keeps one of per process: made on first use, forgotten in a forked child.
 
-A fork (a rank, the probe, a generation of the launch server) copies its parent's objects, with
-locks that threads it does not have may hold, launches that are not its own and a server whose
-socket is closed in it. Each such object of nblaunch's is made here, and the child forgets them
-all at once (``os.register_at_fork``): its first call makes its own.
+A fork (a rank) copies its parent's objects, with locks that threads it does not have may
+hold, launches that are not its own and a launch server whose socket is closed in it. Each such
+object of nblaunch's is made here, and the child forgets them all at once
+(``os.register_at_fork``): its first call makes its own.
 
 Example::
 
-    ledger = per_process(Ledger)     # at module level: the accessor
-    ledger().learn(["sklearn"])      # this process's Ledger
+    preload_here = per_process(Preload)   # at module level: the accessor
+    preload_here().preload(wanted)         # this process's Preload
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ STEPS = b"s"  # warm ranks: pickled (call_id, step boundaries passed in the call
 RELEASED = b"r"  # warm ranks: pickled str, "" or why not: the rank released its group (RELEASE)
 MOVED = b"m"  # empty body: the rank's main thread moved since the last one (nblaunch.worker.movement)
 COMPILING = b"c"  # pickled (compiling, seconds): a torch.compile began (False, 0) or ended after seconds
-STANDBY = b"B"  # a rank on standby (nblaunch.server.standby_rank): pickled ("ready", facts) or ("left", why)
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)
@@ -39,19 +38,16 @@ SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the ne
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
 INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.warm.cell_stop)
 RELEASE = b"x"  # warm ranks: empty body: make the group's waiting collectives raise (a peer failed)
-CLAIM = b"K"  # empty body: a launch takes a rank on standby; the rank answers with the same frame
 
-# Kernel <-> each process of its launch server (nblaunch.server), on a socket of its own
-SERVER_START = b"N"  # kernel: pickled (request id, environ, cwd, standby device or None); a rank's four
-#                      pipe ends ride on it
-SERVER_READY = b"Y"  # server: empty body: its imports are done (base: torch; a generation: its list)
+# Kernel <-> its launch server (launch/starting/server_process), on a socket of its own
+SERVER_PRELOAD = b"T"  # kernel: pickled (request id, modules wanted, the kernel's environ): import them there
+SERVER_START = b"N"  # kernel: pickled (request id, environ, cwd); a rank's four pipe ends ride on it
+SERVER_READY = b"Y"  # server: pickled (what importing torch read, torch's file): torch is imported
+SERVER_LOADING = b"Z"  # server: pickled top-level package it imports now
+SERVER_PRELOADED = b"J"  # server: pickled (request id, {package: (verdict, seconds, read)}, files, written)
 SERVER_STARTED = b"I"  # server: pickled (request id, pid)
 SERVER_FAILED = b"V"  # server: pickled (request id, what went wrong): no rank was started
 SERVER_EXITED = b"X"  # server: pickled (pid, exit code), once the rank is reaped
-SERVER_GENERATION = b"T"  # kernel -> base: pickled (generation id, environ, module names): fork a generation
-SERVER_GENERATION_STARTED = b"U"  # base: pickled (generation id, pid); the kernel's end of its socket rides on it
-SERVER_LOADING = b"Z"  # generation: pickled top-level package it imports now
-SERVER_LOADED = b"J"  # generation: pickled (package, verdict, seconds) once imported (server.loading)
 
 # In a spawn payload's pickle: the persistent id of a tensor storage put in shared memory,
 # (SHARED_STORAGE, fd, size, dtype); fd is the launcher's number for it. See nblaunch.launch.processes.packing.

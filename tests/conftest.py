@@ -93,16 +93,6 @@ def _started_here(proc: psutil.Process) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def warm_start_settled():
-    """What a launch started for the next one (imports here, the launch server's generations and
-    ranks on standby) is done before the next test: no test runs beside another's warm-up."""
-    yield
-    from nblaunch.launch.ahead.report import warm_start
-
-    warm_start(wait=120)
-
-
-@pytest.fixture(autouse=True)
 def no_rank_left_behind():
     since = time.time()
     yield

@@ -20,7 +20,6 @@ HELLO = """
 
     dist.init_process_group("gloo")
     print(f"hello from rank {dist.get_rank()} of {dist.get_world_size()}, argv={sys.argv[1:]}, as {__name__}")
-    print(f"preload {os.environ.get('NBLAUNCH_PRELOAD')}")  # one launch per process: nothing loaded ahead
 """
 
 RAISES_ON_RANK_1 = """
@@ -71,7 +70,6 @@ def test_every_rank_runs_the_script_as_main_with_its_own_arguments(tmp_path):
         assert f"[rank {rank}] hello from rank {rank} of 2, argv=['--lr', '3e-4', 'data'], as __main__" in done.stdout
     assert done.stdout.rstrip().splitlines()[-1].startswith("nblaunch: all 2 ranks done in")
     assert "Traceback" not in done.stderr
-    assert "[rank 0] preload 0" in done.stdout  # the launcher of one launch loads nothing ahead for a next
 
 
 def test_a_module_runs_like_python_dash_m(tmp_path):

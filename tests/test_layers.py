@@ -17,9 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
     ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
-     "nblaunch.preimport", "nblaunch.after_import", "nblaunch.facts", "nblaunch.per_process"],
+     "nblaunch.environ_watch", "nblaunch.after_import", "nblaunch.facts", "nblaunch.per_process"],
     ["nblaunch.worker", "nblaunch.display"],
-    ["nblaunch.server"],  # the launch server's processes: they host ranks, so they stand on worker/
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],
     ["nblaunch.training.options"],
@@ -33,11 +32,10 @@ LAYERS = [
     ["nblaunch.training.accelerator"],
     ["nblaunch.training"],  # its __init__: the public names
     ["nblaunch.detached"],  # where a launch is kept outside the kernel; knows nothing of launches
-    # launch/: what a launch is asked and planned, the processes it starts, what readies them
-    # ahead of it, the floor that decides how its ranks start, then the rest (the Launch, its homes).
+    # launch/: what a launch is asked and planned, the processes it starts, how its ranks start
+    # (and begin with their imports), then the rest (the Launch, its homes).
     ["nblaunch.launch.errors", "nblaunch.launch.planning"],
     ["nblaunch.launch.processes"],
-    ["nblaunch.launch.ahead"],
     ["nblaunch.launch.starting"],
     ["nblaunch.launch"],
     ["nblaunch.cluster"],

@@ -21,7 +21,7 @@ from nblaunch.cli.args import at_least_one, at_least_zero, precision, processes,
 from nblaunch.cli.outcome import USAGE, launch_in_terminal
 from nblaunch.cli.script import Script
 from nblaunch.contract.precision import PRECISIONS
-from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES, FSDP_VARIABLES, PRELOAD
+from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES, FSDP_VARIABLES
 from nblaunch.homes import HOMES
 
 _DESCRIPTION = """\
@@ -189,8 +189,6 @@ def run(options: argparse.Namespace) -> int:
                   f"{', '.join(config.unknown)}", file=sys.stderr, flush=True)
     if devices is not None:
         os.environ[CUDA_VISIBLE_DEVICES] = devices  # before the launch counts the GPUs; the ranks inherit it
-    # One launch per process: nothing would use what is loaded ahead for a next one (the user's own setting wins).
-    os.environ.setdefault(PRELOAD, "0")
     _, status = launch_in_terminal(
         "launch", Script(options.script, options.script_args, options.module, rank_environ), (),
         num_processes=options.num_processes, mixed_precision=options.mixed_precision,

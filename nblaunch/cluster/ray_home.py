@@ -90,9 +90,6 @@ class RayHome:
     def prepare(self, launch_id: str) -> None:
         pass  # each node's own launch prepares there
 
-    def ready_next(self) -> None:
-        pass  # each node's agent is a process of one launch
-
     def shared_log_root(self) -> str | None:
         return None  # the driver's machine; each node keeps its own too
 

@@ -97,9 +97,6 @@ class SlurmHome:
     def prepare(self, launch_id: str) -> None:
         pass  # each node's own launch prepares there
 
-    def ready_next(self) -> None:
-        pass  # each node's agent is a process of one launch
-
     def shared_log_root(self) -> str | None:
         # The state folder is on the home directory every node shares: the logs of a launch kept
         # by a batch job, or run from a node of the allocation, are read from the login node too.

@@ -44,10 +44,8 @@ TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"  # torch's: Inductor's on-di
 TORCHINDUCTOR_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"  # torch's: Inductor's compile workers per process
 STATE_DIR = "NBLAUNCH_STATE_DIR"  # where detached launches are kept (the user's choice)
 AGENT_TOKEN = "NBLAUNCH_AGENT_TOKEN"  # what a node's agent shows the driver it connects to (never on a command line)
-# The user's settings of a warm start (docs/warm-start.md): "0" turns loading ahead off; standby
-# ranks are "auto" (GPU launches from the launch server), "0" (never) or "always" (CPU ones too).
+# The user's setting: "0" imports nothing for the ranks where they are forked from (launch/starting/preload).
 PRELOAD = "NBLAUNCH_PRELOAD"
-STANDBY = "NBLAUNCH_STANDBY"
 
 # Slurm's (cluster="slurm"): the allocation a kernel sits in, as Slurm tells its processes.
 SLURM_JOB_ID = "SLURM_JOB_ID"

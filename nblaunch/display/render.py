@@ -154,8 +154,6 @@ def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, l
         elapsed = ""
     else:
         elapsed = format_duration((rank.finished_t if rank.finished_t is not None else now) - rank.started_t)
-    if rank.began:
-        elapsed += f'<div class="nbl-began" style="{MUTED}">{plain_text(rank.began)}</div>'
     if running and rank.compiling_since is not None:  # a long compile is work, not a hang
         elapsed += (f'<div class="nbl-compiling" style="color: #7c3aed">compiling '
                     f"{format_duration(now - rank.compiling_since)}</div>")

@@ -32,6 +32,7 @@ from nblaunch.events import (
 
 _REDRAW_EVERY_S = 2.0  # progress bars and \r-lines: a line every so often, not every redraw
 _METRICS_EVERY_S = 1.0
+_STARTED_BY = {"server": "the launch server"}  # a plan's start method, as the launch's line says it
 
 
 class TextDisplay:
@@ -75,7 +76,8 @@ class TextDisplay:
             self._print(
                 f"nblaunch: {event.function_name} on {event.num_processes} "
                 f"process{'' if event.num_processes == 1 else 'es'} ({event.devices}), "
-                + ("on warm ranks" if event.start_method == "warm" else f"started by {event.start_method}")
+                + ("on warm ranks" if event.start_method == "warm"
+                   else f"started by {_STARTED_BY.get(event.start_method, event.start_method)}")
                 + f" ({event.start_reason}), meeting at {event.rendezvous}"
                 + (f"; logs in {event.log_dir}" if event.log_dir else "")
             )

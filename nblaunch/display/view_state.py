@@ -90,7 +90,6 @@ class RankView:
     device: RankDevice | None = None  # what its Accelerator computes on, and in which precision
     compiling_since: float | None = None  # a torch.compile going on began then
     compiled_s: float = 0.0  # seconds its compiles took so far
-    began: str = ""  # how it began warm (a rank that waited on standby), if it did
     gpu: GpuUsage | None = None  # its GPU a moment ago
 
     def shown_bars(self) -> list[Bar]:
@@ -157,7 +156,6 @@ class LaunchView:
         elif isinstance(event, RankStarted):
             rank = self.rank(event.rank)
             rank.state, rank.pid, rank.started_t, rank.last_heard_t = RankState.RUNNING, event.pid, now, now
-            rank.began = event.began
             self.dirty |= {RANKS, HEADER}
         elif isinstance(event, RankFinished):
             rank = self.rank(event.rank)

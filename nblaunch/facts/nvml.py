@@ -1,7 +1,7 @@
 """NVML, NVIDIA's management library: what the GPUs are and hold, asked without starting CUDA.
 
 The launcher counts and samples GPUs through it (a launcher that started CUDA could not fork),
-and a rank waiting on standby watches its GPU's memory through it.
+and each rank's row shows its GPU's use through it.
 
 Example::
 

@@ -24,7 +24,6 @@ from typing import Any
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
-from nblaunch.launch.ahead.caller import caller
 from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.planning import ports
@@ -50,6 +49,11 @@ class Launch:
     """
 
     def __init__(self, home: RanksHome):
+        self.launch_id = uuid.uuid4().hex
+        # On the caller's thread: a home may import for the ranks or check the cluster first,
+        # and says what it did in the plan's words.
+        self._home = home
+        self._home.prepare(self.launch_id)
         self.plan = plan = home.plan
         self._timeout = plan.request.timeout
         self._future: Future = Future()
@@ -64,11 +68,6 @@ class Launch:
         self._status = "starting"
         self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
-        self._caller_waits = False  # run() on the caller's thread (not start()): it may import ahead meanwhile
-        self.launch_id = uuid.uuid4().hex
-        # Made on the caller's thread: a home may import for the ranks or check the cluster first.
-        self._home = home
-        self._home.prepare(self.launch_id)
         self.log_dir = new_log_dir(home.shared_log_root())
         self._logs = LogFiles(self.log_dir, plan.shown_ranks)
         # Made here, on the caller's thread: a widget shows itself in the launching cell.
@@ -221,14 +220,8 @@ class Launch:
 
     def run(self) -> list[Any]:
         """Run the launch to its end here and return each rank's result, or raise what it
-        raised; the caller then waits until the next launch's ranks will begin with what these
-        imported (``RanksHome.ready_next``: a loop of launches re-runs warm). Call it, or
-        ``start``, once."""
-        self._caller_waits = True
-        results = self._run()
-        with caller().parked():  # the caller waits in nblaunch: this process may import ahead meanwhile
-            self._home.ready_next()
-        return results
+        raised. Call it, or ``start``, once."""
+        return self._run()
 
     def _run(self) -> list[Any]:
         plan = self.plan
@@ -289,12 +282,7 @@ class Launch:
                 if self._cancel_requested:
                     watcher.cancel(self._cancel_as)
             try:
-                if not self._caller_waits:
-                    return watcher.run()
-                # Parked only once the ranks are started: an import ahead left from an earlier
-                # launch never runs beside this one's forks.
-                with caller().parked():
-                    return watcher.run()
+                return watcher.run()
             except LaunchTimeoutError as error:
                 figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
                 raise LaunchTimeoutError(figure, error.stacks) from None

@@ -33,12 +33,14 @@ from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.ranks_home import RanksHome
 from nblaunch.launch.rendezvous import Rendezvous
+from nblaunch.launch.starting import rank_imports
 from nblaunch.launch.starting.choice import starter_for
+from nblaunch.launch.starting.preload import preload_here
+from nblaunch.launch.starting.server_starter import server_refusals
 from nblaunch.launch.processes.packing import Payload, package
 from nblaunch.launch.processes.processes import WorkerProcess, kill_and_reap
 from nblaunch.launch.supervising.gpu_usage import GpuSampler
 from nblaunch.launch.supervising.supervisor import Supervisor
-from nblaunch.launch.ahead.ledger import ledger
 
 class LocalHome:
     """Ranks as processes of this machine (see the module's docstring)."""
@@ -47,25 +49,20 @@ class LocalHome:
     keeps_warm_ranks: ClassVar[bool] = True
 
     def __init__(self, request: LaunchRequest) -> None:
-        self._starter, self.plan = starter_for(plan_here(request))
+        self.plan = plan_here(request)
+        self._starter = starter_for(self.plan)
         pickling.check_picklable(request.function, request.args)  # names the culprit, before anything starts
         self._launch_id = ""
-        self._inherited: dict[str, str] = {}
-        self._imported: list[str] = []  # what the last attempt's ranks imported
 
     def prepare(self, launch_id: str) -> None:
         # On the caller's thread: the imports for the ranks touch os.environ, which a launch
         # thread must never do, and may fail before anything is open or shown. Every process
         # of the launch inherits the tag, whatever session it makes for itself.
         self._launch_id = launch_id
-        self._inherited = dict(self._starter.environ_for_ranks(self.plan), **{LAUNCH_ID: launch_id})
-        for message in registry.stop_stale_ranks():
-            print(f"nblaunch: {message}", file=sys.stderr)
-
-    def ready_next(self) -> None:
-        self._starter.ready_next()
-        # Under the launch they slow: the packages its ranks imported that are not loaded ahead.
-        for message in ledger().notices(self._imported):
+        said = self._starter.prepare(self.plan)
+        if said:
+            self.plan = dataclasses.replace(self.plan, start_reason=f"{self.plan.start_reason}; {said}")
+        for message in [*registry.stop_stale_ranks(), *preload_here().notices(), *server_refusals().notices()]:
             print(f"nblaunch: {message}", file=sys.stderr)
 
     def shared_log_root(self) -> str | None:
@@ -93,7 +90,7 @@ class LocalHome:
         workers: list[WorkerProcess] = []
         supervisor: Supervisor | None = None
         try:
-            workers = self._starter.start(plan, self._inherited)
+            workers = self._starter.start(plan, {LAUNCH_ID: self._launch_id})
             rendezvous.serve()  # only now: see launch/rendezvous.py
             record = registry.LaunchRecord(
                 launch_id=self._launch_id, launcher_pid=os.getpid(), port=plan.master_port,
@@ -102,7 +99,7 @@ class LocalHome:
             )
             record.save()
             supervisor = Supervisor(workers, emit, time_left, gpus, plan.request.stall_after,
-                                    first_rank=plan.node_rank * plan.num_processes, learned=self._starter.learned)
+                                    first_rank=plan.node_rank * plan.num_processes)
             yield supervisor
         except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway
@@ -117,11 +114,8 @@ class LocalHome:
                     proctree.kill_marked(self._launch_id, set(), None)
             if record is not None:
                 record.remove()
-            try:  # the next launch's warm start: what these ranks imported, ranks on standby
-                self._imported = [] if supervisor is None else supervisor.imported
-                self._starter.after(plan)
-            except Exception:  # noqa: BLE001  an optimisation only, never this launch's outcome
-                pass
+            if supervisor is not None:  # the next launch of the function imports them first
+                rank_imports.reported(plan.request.function, supervisor.imported)
 
     def keep(self) -> KeptLaunch:
         request = self.plan.request

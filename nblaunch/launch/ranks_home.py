@@ -12,7 +12,6 @@ Example (what a Launch does with its home)::
     home.prepare(launch_id)                   # on the caller's thread
     with home.attempt(home.plan, emit, time_left, log_dir) as watcher:
         results = watcher.run()               # every rank watched to its end
-    home.ready_next()                         # a blocking launch: the next one begins warm
 """
 
 from __future__ import annotations
@@ -54,11 +53,8 @@ class RanksHome(Protocol):
         Raises LaunchConfigError, saying what to change."""
 
     def prepare(self, launch_id: str) -> None:
-        """Called by each new launch on the caller's thread, before anything is shown."""
-
-    def ready_next(self) -> None:
-        """Called on the caller's thread after a launch that blocked it ended (its outcome shown):
-        the caller waits until the next launch's ranks will find what this one's imported."""
+        """Called by each new launch on the caller's thread, before anything is shown; it may
+        replace ``plan`` (its ``start_reason`` saying what was readied for the ranks)."""
 
     def shared_log_root(self) -> str | None:
         """Where the launch keeps its ranks' logs when they must be readable from other machines

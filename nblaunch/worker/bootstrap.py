@@ -45,6 +45,9 @@ class WorkerSettings:
     threads: int | None  # intra-op threads, or None to leave the user's choice alone
     parent_pid: int
     sys_path: list[str]
+    # Forked ranks: modules the parent imported for the ranks that went stale since (installed
+    # anew, or a variable their import read has changed): dropped, so the function imports them afresh.
+    forget: tuple[str, ...] = ()
 
 
 def run_forked(
@@ -64,6 +67,8 @@ def run_forked(
         with RankGuard(event_fd, stderr_fd) as guard:
             guard.phase = Phase.JOINING
             settle_forked_child(settings.parent_pid)
+            for name in settings.forget:
+                sys.modules.pop(name, None)
             guard.phase = Phase.ATTACHING
             attach_streams(stdout_fd, stderr_fd, std_handlers)
             guard.stderr_fd = 2
@@ -92,7 +97,7 @@ def settle_forked_child(parent_pid: int) -> None:
 
 def main_spawned(argv: list[str]) -> NoReturn:
     """Entry point of ``python -m nblaunch.worker CONTROL_FD EVENT_FD PARENT_PID``, and of a rank
-    the launch server forked (``nblaunch.server.serving``), its stdout and stderr on 1 and 2."""
+    the launch server forked (``launch/starting/server_process``), its stdout and stderr on 1 and 2."""
     try:
         with RankGuard(None, 2) as guard:
             guard.phase = Phase.JOINING
@@ -160,48 +165,38 @@ def prepare_process() -> None:
 
 
 def serve(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
-    """Run one rank's function and send back its result or failure; returns an exit code. The
-    installed libraries it imports are told as it goes (``wire.IMPORTED``, at each look of the
-    stall look-out, and at its end): the launcher loads them for the next launch meanwhile. The
-    channel must already point at ``event_fd`` for the calling thread.
+    """Run one rank's function and send back its result or failure; returns an exit code. At
+    its end the rank tells the installed libraries it imported (``wire.IMPORTED``): the next
+    launch of the function imports them before forking its ranks. The channel must already point
+    at ``event_fd`` for the calling thread.
     """
-    tell = _ImportsTold(len(sys.modules))
+    before = len(sys.modules)
     try:
-        return _run_function(function, args, control, event_fd, tell)
+        return _run_function(function, args, control, event_fd)
     finally:
-        tell()
+        _tell_imported(before)
 
 
-class _ImportsTold:
-    """Tells the launcher, once each, the installed modules imported (to their end) since
-    ``sys.modules`` held ``before`` of them."""
-
-    def __init__(self, before: int) -> None:
-        self._before, self._told = before, set()
-        self._lock = threading.Lock()  # the look-out thread and the main thread's end
-
-    def __call__(self) -> None:
-        try:
-            with self._lock:
-                new = [n for n in installed_modules(loaded_since(self._before))
-                       if n not in self._told and not _being_imported(n)]
-                self._told.update(new)
-            if new:
-                channel.send(wire.IMPORTED, pickle.dumps(new))
-        except Exception:  # noqa: BLE001  only an optimisation of the next launch: never this rank's
-            pass
+def _tell_imported(before: int) -> None:
+    """Tell the launcher the installed modules imported (to their end) since ``sys.modules``
+    held ``before`` of them."""
+    try:
+        new = [n for n in installed_modules(loaded_since(before)) if not _being_imported(n)]
+        if new:
+            channel.send(wire.IMPORTED, pickle.dumps(new))
+    except Exception:  # noqa: BLE001  only an optimisation of the next launch: never this rank's
+        pass
 
 
 def _being_imported(name: str) -> bool:
     return bool(getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False))
 
 
-def _run_function(function: Callable, args: tuple, control: ControlSocket, event_fd: int,
-                  each_look: Callable[[], None]) -> int:
+def _run_function(function: Callable, args: tuple, control: ControlSocket, event_fd: int) -> int:
     # A bare thread: threading.Thread.start() waits until the new thread runs, which on busy
     # cores is a millisecond of every launch spent before the user's function starts.
     _thread.start_new_thread(_watch_launcher, (control, event_fd))
-    movement.watch_main_thread(each_look)
+    movement.watch_main_thread()
     compile_watch.watch_compiles()  # torch._dynamo is usually loaded ahead: its compiles show from the first
     try:
         result = function(*args)

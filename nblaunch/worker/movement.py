@@ -12,7 +12,7 @@ wait or in ``time.sleep`` is none of these, and sends nothing.
 
 Example (the bootstrap, once the user's function is about to run)::
 
-    watch_main_thread(tell_imported)   # no-op unless the launch set NBLAUNCH_STALL_AFTER
+    watch_main_thread()   # no-op unless the launch set NBLAUNCH_STALL_AFTER
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
-
 from nblaunch import wire
 from nblaunch.contract import variables as v
 from nblaunch.worker import channel, compile_watch
@@ -31,18 +29,17 @@ from nblaunch.worker import channel, compile_watch
 _LOOK_EVERY_S = (0.25, 5.0)  # bounds of a quarter of stall_after
 
 
-def watch_main_thread(each_look: Callable[[], None]) -> None:
-    """Start the look-out thread where the launch watches for stalls; ``each_look()`` runs on it
-    at each look too (the rank's imports, told as it goes)."""
+def watch_main_thread() -> None:
+    """Start the look-out thread where the launch watches for stalls."""
     try:
         stall_after = float(os.environ.get(v.STALL_AFTER, ""))
     except ValueError:
         return
     every = min(max(stall_after / 4, _LOOK_EVERY_S[0]), _LOOK_EVERY_S[1])
-    _thread.start_new_thread(_look_out, (threading.main_thread().ident, every, each_look))
+    _thread.start_new_thread(_look_out, (threading.main_thread().ident, every))
 
 
-def _look_out(main: int, every: float, each_look: Callable[[], None]) -> None:
+def _look_out(main: int, every: float) -> None:
     clock = time.pthread_getcpuclockid(main)
     last, cpu = _place(main), time.clock_gettime(clock)
     try:
@@ -62,7 +59,6 @@ def _look_out(main: int, every: float, each_look: Callable[[], None]) -> None:
             except OSError:
                 return  # the launcher is gone
         last, cpu = place, used
-        each_look()
 
 
 def _place(thread: int) -> tuple[int, int, int] | None:

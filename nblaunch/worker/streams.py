@@ -68,8 +68,8 @@ def attach_streams(stdout_fd: int, stderr_fd: int,
     (new_out, counted), new_err = _adaptive_stream(1), line_stream(2)
     _keep_flushing(new_out, counted)
     replacement = {
-        id(sys.stdout): new_out, id(sys.__stdout__): new_out, id(_stood_in_for(sys.stdout)): new_out,
-        id(sys.stderr): new_err, id(sys.__stderr__): new_err, id(_stood_in_for(sys.stderr)): new_err,
+        id(sys.stdout): new_out, id(sys.__stdout__): new_out,
+        id(sys.stderr): new_err, id(sys.__stderr__): new_err,
     }
     sys.stdin = open(os.devnull)
     sys.stdout = sys.__stdout__ = new_out
@@ -145,8 +145,7 @@ def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
     originals), with its logger's name. The launcher asks before it forks: there, reading every
     logger (a kernel with torch has over a hundred) costs nothing, while a forked rank that read
     them all would copy each page they sit on, 2 ms of every rank's start."""
-    streams = {id(s) for s in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__,
-                                _stood_in_for(sys.stdout), _stood_in_for(sys.stderr))}
+    streams = {id(s) for s in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__)}
     found = []
     loggers = [logging.getLogger()] + [
         lg for lg in list(logging.Logger.manager.loggerDict.values()) if isinstance(lg, logging.Logger)
@@ -156,21 +155,11 @@ def std_stream_handlers() -> list[tuple[logging.Handler, str]]:
             if not isinstance(handler, logging.StreamHandler):
                 continue
             try:
-                if id(_stood_in_for(handler.stream)) in streams:
+                if id(handler.stream) in streams:
                     found.append((handler, logger.name))
             except Exception:
                 continue  # a stream that cannot even be read is not one of ours
     return found
-
-
-def _stood_in_for(stream: object) -> object:
-    """The stream ``stream`` stands in for while the launcher imports ahead (``launch/ahead/
-    kept_output``), or ``stream`` itself. A fork made meanwhile inherits the stand-in as
-    ``sys.stderr``, and a handler made meanwhile keeps it after the import is done."""
-    # Its own attribute only: a stream whose __getattr__ answers anything (a mock) is itself.
-    while (shown := getattr(stream, "__dict__", {}).get("stands_in_for")) is not None:
-        stream = shown
-    return stream
 
 
 def _repoint_logging_handlers(replacement: dict[int, TextIO], handlers: list[tuple[logging.Handler, str]]) -> list[str]:
@@ -181,7 +170,7 @@ def _repoint_logging_handlers(replacement: dict[int, TextIO], handlers: list[tup
             stream = handler.stream
         except Exception:
             continue
-        new = replacement.get(id(_stood_in_for(stream)))
+        new = replacement.get(id(stream))
         if new is None:
             continue  # dill's _StderrHandler: its stream follows sys.stderr, already the new one
         try:

@@ -43,7 +43,7 @@ def launch_and_time(**options):
 CUDA_STATE = ("import torch\nprint('CUDA_STATE', torch.cuda.is_initialized(), cuda_driver_initialised())")
 
 # The line names the cell's line that initialised CUDA (nblaunch was imported before it).
-SPAWN_LINE = re.compile(r"^nblaunch: .*started by spawn \(CUDA was initialised in this process at cell In\[\d+\], "
+SPAWN_LINE = re.compile(r"^nblaunch: .*started by the launch server \(CUDA was initialised in this process at cell In\[\d+\], "
                         r"line 2: torch\.zeros\(1, device='cuda'\).*$", re.M)
 
 

@@ -72,10 +72,10 @@ def test_cuda_initialised_in_the_launcher_spawns_says_so_in_one_line_and_refuses
     found, printed = run_child(CUDA_INITIALISED, tmp_path)
     assert found["detected"] is True
     assert len(found["spawned"]) == 2 and found["parent"] not in found["spawned"]
-    spawn_lines = [l for l in printed.splitlines() if "started by spawn" in l]
+    spawn_lines = [l for l in printed.splitlines() if "started by the launch server" in l]
     assert len(spawn_lines) == 1, printed
     # torch said CUDA was initialised before nblaunch was imported: the line could not be seen.
-    assert re.search(r"started by spawn \(CUDA was initialised in this process before nblaunch was imported "
+    assert re.search(r"started by the launch server \(CUDA was initialised in this process before nblaunch was imported "
                      r"\(import nblaunch first to have the line named\), and forked workers could not use it\)",
                      spawn_lines[0])
     assert found["fork"] == (
@@ -106,7 +106,7 @@ print("RESULT " + json.dumps([cuda_culprit.where_cuda_started(), plan.start_meth
 def test_the_line_that_initialised_cuda_is_named(tmp_path):
     (line, (method, reason)), _ = run_child(NAMED_LINE, tmp_path)
     assert line == "child.py, line 10: for queued, _ in torch.cuda._queued_calls: queued()"
-    assert method == "spawn"
+    assert method == "server"
     assert reason == f"CUDA was initialised in this process at {line}, and forked workers could not use it"
 
 
@@ -121,7 +121,7 @@ print("RESULT " + json.dumps(plan.start_method_for(None, False)))
 
 def test_cuda_started_by_the_driver_alone_is_said_with_what_does_that(tmp_path):
     (method, reason), _ = run_child(DRIVER_ONLY, tmp_path)
-    assert method == "spawn" and "torch.cuda.is_available()" in reason and "PYTORCH_NVML_BASED_CUDA_CHECK=1" in reason
+    assert method == "server" and "torch.cuda.is_available()" in reason and "PYTORCH_NVML_BASED_CUDA_CHECK=1" in reason
 
 
 ONE_GPU_MACHINE = '''

@@ -14,7 +14,6 @@ import time
 import psutil
 import pytest
 
-import nblaunch
 from nblaunch import RankFailedError, notebook_launcher
 from processes import gone
 
@@ -53,7 +52,7 @@ def test_later_launches_reuse_the_server_and_see_this_processes_environment_and_
 def test_a_dead_server_is_replaced_by_the_next_launch(launched):
     """At once: the launch asks the dead process before the kernel has heard it died, and asks
     again elsewhere (the server's base, or a new server)."""
-    for _ in range(2):  # the second time from a generation, where the warm-up made one
+    for _ in range(2):  # the second time, the server that replaced the first
         (_, server, *_), _ = spawn(where_am_i, "before")
         os.kill(server, signal.SIGKILL)
         if launched == "once it is gone":
@@ -61,7 +60,6 @@ def test_a_dead_server_is_replaced_by_the_next_launch(launched):
         after = spawn(where_am_i, "after")
         assert {ppid for _, ppid, *_ in after} != {server}
         assert [tag for *_, tag in after] == ["after", "after"]
-        nblaunch.warm_start(wait=120)
 
 
 def wait_then_return(folder: str) -> int:
@@ -73,7 +71,7 @@ def wait_then_return(folder: str) -> int:
 
 
 def test_a_server_killed_during_a_launch_fails_it_at_once_and_leaves_nothing(tmp_path):
-    spawn(where_am_i, "the server has imported ahead for this launch")
+    spawn(where_am_i, "the server has imported what this launch's ranks import")
     launch = notebook_launcher(wait_then_return, args=(str(tmp_path),), num_processes=2, start_method="spawn",
                                display="none", block=False)
     deadline = time.monotonic() + 60  # a backstop: the ranks are up in a fraction of a second
@@ -81,8 +79,7 @@ def test_a_server_killed_during_a_launch_fails_it_at_once_and_leaves_nothing(tmp
         assert not launch.done(), launch.result()
         time.sleep(0.05)
     ranks = [int(path.name.split(".")[0]) for path in said]
-    # The process that forked them: the server, or the generation of it they came from (issue 44).
-    (server,) = {int(path.read_text()) for path in said}
+    (server,) = {int(path.read_text()) for path in said}  # the process that forked them
     assert psutil.Process(server).name() == "nblaunch-server"
     os.kill(server, signal.SIGKILL)
     with pytest.raises(RankFailedError, match="killed by SIGKILL: its launch server .* died") as failed:
@@ -123,3 +120,49 @@ def test_the_server_and_its_ranks_end_with_their_process(how, tmp_path):
     pids = [int(p) for p in done.stdout.split("PIDS", 1)[1].split()]
     assert len(pids) == 3, done.stdout + done.stderr
     assert gone(pids, within=10), [psutil.Process(p).name() for p in pids if psutil.pid_exists(p)]
+
+
+EARLY = [
+    "import ctypes, json, os, sys, psutil\n"
+    "ctypes.CDLL('libcuda.so.1')  # what torch.cuda.is_available() does first\n"
+    "import nblaunch\nprint('CHILDREN ' + json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children()]))",
+    "def found():\n    return 'torch._dynamo' in sys.modules, os.getppid() != KERNEL\nKERNEL = os.getpid()\n"
+    "print('FIRST ' + json.dumps(nblaunch.notebook_launcher(found, num_processes=1, display='none')))",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", ["initialised", "absent"])
+def test_a_notebook_that_started_cuda_has_its_launch_server_up_before_its_first_launch(driver, tmp_path, monkeypatch):
+    """Where CUDA is started when nblaunch is imported (the driver a stand-in here), every launch
+    comes from the launch server: it starts at the import, with what a first training step needs."""
+    import json
+    import re
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    from nbcells import everything_shown
+    from stand_ins import stand_in_library
+    from test_cuda_initialised_detection import FAKE_DRIVER
+
+    cells = list(EARLY)
+    if driver == "initialised":
+        for name, value in stand_in_library(tmp_path, "libcuda.so.1", FAKE_DRIVER).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("FAKE_CUDA_INITIALISED", "1")
+    else:
+        cells[0] = cells[0].replace("ctypes.CDLL('libcuda.so.1')", "pass")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    def tagged(cell, tag):
+        return json.loads(re.search(rf"^{tag} (.*)$", everything_shown(cell), re.M).group(1))
+
+    children = tagged(notebook.cells[0], "CHILDREN")
+    started = any("nblaunch.launch.starting.server_process" in command for command in children)
+    if driver == "absent":
+        assert not started and tagged(notebook.cells[1], "FIRST") == [[False, False]]  # forked, nothing early
+    else:
+        assert started, children
+        assert tagged(notebook.cells[1], "FIRST") == [[True, True]]  # from the server, torch._dynamo there

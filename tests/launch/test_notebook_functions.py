@@ -26,5 +26,5 @@ def test_a_notebook_cell_closure_runs_under_fork_and_spawn(tmp_path):
     NotebookClient(notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
     assert "results [110, 111] [120, 121]" in text
-    assert "started by spawn (asked for with start_method='spawn')" in text
+    assert "started by the launch server (asked for with start_method='spawn'" in text
     assert not [out for out in notebook.cells[1].outputs if out.output_type == "error"]

@@ -14,7 +14,6 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-import nblaunch
 from nblaunch import LaunchConfigError, RankFailedError, WarmRanks, notebook_launcher
 from nblaunch.events import LaunchStarted, RankStarted
 from nblaunch.contract.precision import fast_precision
@@ -71,7 +70,6 @@ def test_one_rank_is_a_launch_like_any_other(recorder):
 
 def test_fp8_is_refused_before_anything_starts_where_it_cannot_run(one_gpu, monkeypatch):
     monkeypatch.setattr(devices, "cuda_capability", lambda: (7, 5))  # a T4: no fp8 units
-    nblaunch.warm_start(wait=120)  # an earlier launch's warm-up (generations, ranks on standby) is not this test's
     before = psutil.Process().children(recursive=True)
     with pytest.raises(LaunchConfigError, match=r"fp8 units \(compute capability 8.9 and later\); this machine's are "
                                                 r"7.5: use 'bf16' .* or cpu=True"):

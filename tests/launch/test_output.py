@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import re
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -58,37 +57,6 @@ def test_python_and_c_output_of_both_ranks_arrives_whole_and_tagged(recorder):
         # Redraws superseded within one read are never shown; those shown are only redraws.
         transient = [e.lines[0] for e in recorder.of(Output) if e.rank == rank and e.transient]
         assert set(transient) <= {"progress 10%", "progress 50%", "progress 90%"}
-
-
-def _logs_a_line():
-    logging.getLogger("made-during-import").warning("logged from %s", os.environ["RANK"])
-
-
-def test_a_handler_made_while_this_process_imported_ahead_writes_to_the_ranks_output(recorder):
-    # While an import ahead keeps its own thread's output, sys.stderr is a stand-in: a handler
-    # a user makes meanwhile holds the stand-in after it is gone (CI's floor lane lost rank 0's log).
-    from nblaunch.launch.ahead.kept_output import kept_output
-
-    importing, imported = threading.Event(), threading.Event()
-
-    def import_ahead():
-        with kept_output():
-            importing.set()
-            imported.wait(timeout=30)
-
-    thread = threading.Thread(target=import_ahead)
-    thread.start()
-    assert importing.wait(timeout=30)
-    handler = logging.StreamHandler()  # as a user would: bound to sys.stderr as it is now
-    imported.set()
-    thread.join()
-    logging.getLogger("made-during-import").addHandler(handler)
-    try:
-        notebook_launcher(_logs_a_line, num_processes=2, display=recorder)
-    finally:
-        logging.getLogger("made-during-import").removeHandler(handler)
-    for rank in (0, 1):
-        assert recorder.lines(rank, "stderr")[-1:] == [f"logged from {rank}"]
 
 
 def test_the_text_display_tags_lines_and_keeps_stderr_apart(capsys):

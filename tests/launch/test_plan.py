@@ -29,11 +29,11 @@ def test_fork_is_chosen_on_a_cpu_machine_and_the_reason_is_given():
     assert "each process begins as a copy of this one" in chosen.start_reason
 
 
-def test_cuda_already_initialised_here_means_spawn_and_fork_is_refused(monkeypatch):
+def test_cuda_already_initialised_here_means_the_launch_server_and_fork_is_refused(monkeypatch):
     # This machine has no GPU: stand in for the one probe that would say CUDA is initialised.
     monkeypatch.setattr(devices, "cuda_initialized", lambda: True)
     chosen = plan()
-    assert chosen.start_method == "spawn" and "CUDA was initialised in this process" in chosen.start_reason
+    assert chosen.start_method == "server" and "CUDA was initialised in this process" in chosen.start_reason
     with pytest.raises(LaunchConfigError, match="start_method='fork' would break CUDA"):
         plan(start_method="fork")
     assert plan(cpu=True).start_method == "fork"  # debug_launcher hides the GPUs

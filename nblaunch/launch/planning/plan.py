@@ -123,17 +123,23 @@ def decided_precision(mixed_precision: str, device_kind: str, capability: tuple[
 
 
 def start_method_for(requested: str | None, cpu: bool) -> tuple[str, str]:
-    """How ranks would start here, and why: ``("fork", "the quickest start: ...")``."""
+    """How ranks would start here, and why: the one place that decides. ``("fork", "the
+    quickest start: ...")``; ``"server"``: forked by the launch server (Linux, where this process
+    cannot fork them or ``start_method="spawn"`` asked for a fresh start); ``"spawn"``: a fresh
+    interpreter each (elsewhere)."""
     if requested is not None and requested not in START_METHODS:
         raise LaunchConfigError(f"start_method must be None (choose for me), 'fork', 'spawn' or 'xla', got {requested!r}")
-    cuda_in_parent = not cpu and devices.cuda_initialized()
+    linux = hasattr(os, "fork") and sys.platform == "linux"
     if requested == "spawn":
+        if linux:
+            return "server", ("asked for with start_method='spawn': they are forked by a process that imported torch "
+                              "and never touched CUDA, not by this one")
         return "spawn", "asked for with start_method='spawn'"
-    if not hasattr(os, "fork") or sys.platform != "linux":
+    if not linux:
         if requested == "fork":
             raise LaunchConfigError(f"start_method='fork' is not safe on {sys.platform}; use start_method=None")
         return "spawn", f"fork is not safe on {sys.platform}"
-    if cuda_in_parent:
+    if not cpu and devices.cuda_initialized():
         line = cuda_culprit.where_cuda_started()
         where = f"at {line}" if line else cuda_culprit.unseen_reason()
         if requested == "fork":
@@ -142,7 +148,7 @@ def start_method_for(requested: str | None, cpu: bool) -> tuple[str, str]:
                 f"process, {where}. Use start_method=None (nblaunch then starts the ranks from its launch "
                 "server), or move the CUDA code into the function."
             )
-        return "spawn", f"CUDA was initialised in this process {where}, and forked workers could not use it"
+        return "server", f"CUDA was initialised in this process {where}, and forked workers could not use it"
     if requested == "fork":
         return "fork", "asked for with start_method='fork'"
     return "fork", "the quickest start: each process begins as a copy of this one"

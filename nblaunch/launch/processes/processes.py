@@ -108,7 +108,6 @@ class WorkerProcess:
     returncode: int | None = None
     killed_by_launcher: bool = False
     cleaned: bool = False  # it said it stopped everything it had started (wire.CLEANED)
-    began: str = ""  # how it began warm, for its row (a rank that waited on standby: launch/ahead)
     _open_fds: list[int] = field(default_factory=list)
 
     def poll(self) -> int | None:

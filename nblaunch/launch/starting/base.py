@@ -1,16 +1,17 @@
-"""How a launch's processes start: one :class:`Starter` per way (fork, spawn, the XLA host).
+"""How a launch's processes start: one :class:`Starter` per way (``STARTERS`` in the package).
 
-A :class:`~nblaunch.launch.homes.LocalHome` picks the starter its plan names and asks it, per
-attempt, for every process of the launch. Example::
+A :class:`~nblaunch.launch.local_home.LocalHome` takes the starter its plan names. ``prepare``
+runs once per launch, on the caller's thread: the process the ranks will be forked from imports
+what they will import (``preload``), and the starter says so in a few words for the launch's
+line. ``start`` starts every process of one attempt; ``release`` frees what it held for them.
+
+Example::
 
     starter = ForkStarter()
-    environ = starter.environ_for_ranks(plan)          # on the caller's thread, once per launch
-    workers = starter.start(plan, environ)             # one WorkerProcess per rank (XLA: one host)
+    said = starter.prepare(plan)               # "sklearn, torch imported here first (1.9 s)"
+    workers = starter.start(plan, environ)     # one WorkerProcess per rank (XLA: one host)
     ...
-    starter.release()                                  # after the attempt, whatever happened
-    starter.learned(imported)                          # as its ranks tell what they imported
-    starter.after(plan)                                # after the attempt, whatever happened
-    starter.ready_next()                               # the caller waits until the next one is warm
+    starter.release()                          # after the attempt, whatever happened
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ from typing import Callable
 
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.processes.processes import WorkerProcess, kill_and_reap
-from nblaunch.launch.ahead.ledger import ledger
 from nblaunch.worker.bootstrap import WorkerSettings
 
 
 class Starter(ABC):
     """One way of starting the processes of a launch."""
 
-    def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
-        """Import here, once per launch, what every rank would otherwise import itself; return the
-        variables those imports set, for the ranks. Runs on the caller's thread (imports touch
-        ``os.environ``, which a launch thread must never do)."""
-        return {}
+    def prepare(self, plan: LaunchPlan) -> str:
+        """Once per launch, on the caller's thread, before anything is shown: ready where the
+        ranks come from; what was done there, in words for the launch's line ("" if nothing)."""
+        return ""
 
     @abstractmethod
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
@@ -44,22 +43,8 @@ class Starter(ABC):
     def release(self) -> None:
         """Free what ``start`` held for the ranks (a spawn's shared memory); after every attempt."""
 
-    def learned(self, imported: list[str]) -> None:
-        """While the ranks run, on the launch's thread: they imported ``imported`` (to its end);
-        the next launch's ranks should find it loaded, so loading it may begin now."""
-        ledger().learn(imported)
 
-    def after(self, plan: LaunchPlan) -> None:
-        """After an attempt, whatever happened, on the launch's thread: start what readies the
-        next launch (it only starts what takes long)."""
-
-    def ready_next(self) -> None:
-        """On the caller's thread, parked (``ahead/caller``), after a launch that blocked it:
-        wait until where the next launch's ranks come from has what these ranks imported
-        (``learned`` and ``after`` began it)."""
-
-
-def rank_settings(plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerSettings]:
+def rank_settings(plan: LaunchPlan, environ: dict[str, str], forget: tuple[str, ...] = ()) -> list[WorkerSettings]:
     """What each local rank of ``plan`` is told, in order; ``environ`` is added to its variables."""
     return [
         WorkerSettings(
@@ -68,6 +53,7 @@ def rank_settings(plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerSetti
             threads=plan.threads,
             parent_pid=os.getpid(),
             sys_path=list(sys.path),
+            forget=forget,
         )
         for local_rank in range(plan.num_processes)
     ]

@@ -1,61 +1,46 @@
 """Fork: every rank begins as a copy of the launching process (the quickest start, the default
 where it is safe). The child shares the parent's memory, so data sets are not copied, and every
-module the parent imported: what earlier ranks imported is imported here between launches
-(``launch/ahead/kernel_preload``), so the next ranks begin with it."""
+module the parent imported: what the ranks will import is imported here first (``preload``), once
+instead of once per rank, so this launch's ranks and every later one's begin with it.
+
+Where a GPU is visible and CUDA is not started here, only torch's and nblaunch's own modules are
+imported for the ranks (``IMPORTED_WHERE_A_GPU_IS``): any other library could start CUDA at
+import, and this process could then no longer fork ranks that use it."""
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, NoReturn
 
+from nblaunch.launch.planning import devices
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.base import Starter, rank_settings
 from nblaunch.launch.processes.processes import Pipes, WorkerProcess, fork_processes
-from nblaunch.launch.ahead.kernel_preload import kernel_preload
-from nblaunch.launch.ahead.stepping_aside import launches
-from nblaunch.preimport import import_for_ranks
+from nblaunch.launch.starting import rank_imports
+from nblaunch.launch.starting.base import Starter, rank_settings
+from nblaunch.launch.starting.preload import Preloaded, preload_here, preloading
 from nblaunch.worker.bootstrap import WorkerSettings, run_forked
 from nblaunch.worker.streams import std_stream_handlers
 
-# Building the first optimizer (or DDP) imports torch._dynamo: ~1 s of CPU in every process that
-# does it, 2-3 s when two ranks do it at once on 2 cores, at every launch. Imported here once,
-# every forked rank inherits it. Only when a training library is loaded (the launch will train),
-# so a launch that does not train pays nothing.
-_TRAINING_MODULES = ("nblaunch.training", "accelerate")
+IMPORTED_WHERE_A_GPU_IS = frozenset({rank_imports.TRAINS, "nblaunch.training"})
 
 
 class ForkStarter(Starter):
     """One forked process per rank."""
 
-    def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
-        if "torch" not in sys.modules or not any(name in sys.modules for name in _TRAINING_MODULES):
-            return {}
-        try:
-            return import_for_ranks("torch._dynamo")
-        except Exception:  # an optimisation only: the ranks import it themselves if it fails here
-            return {}
-
     def __init__(self) -> None:
-        self._alone: bool | None = None  # this attempt runs, and whether alone (ahead/stepping_aside)
+        self._preloaded = Preloaded({})
+
+    def prepare(self, plan: LaunchPlan) -> str:
+        request = plan.request
+        if not preloading():
+            return ""
+        only = IMPORTED_WHERE_A_GPU_IS if devices.cuda_device_count() else None
+        self._preloaded = preload_here().preload(rank_imports.wanted(request.function, request.args), only)
+        return self._preloaded.said
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
-        request = plan.request
-        if self._alone is None:
-            self._alone = launches().began(plan)
-        with kernel_preload().before_fork() as preloaded:  # between two of its imports
-            return fork_ranks(rank_settings(plan, dict(preloaded, **environ)), request.function, request.args)
-
-    def learned(self, imported: list[str]) -> None:
-        super().learned(imported)
-        kernel_preload().learned()  # while the caller is parked in the launch, on spare cores
-
-    def after(self, plan: LaunchPlan) -> None:
-        if self._alone is not None:
-            launches().ended(self._alone)
-            self._alone = None
-
-    def ready_next(self) -> None:
-        kernel_preload().wait_loaded()
+        request, preloaded = plan.request, self._preloaded
+        each = rank_settings(plan, dict(preloaded.environ, **environ), preloaded.forget)
+        return fork_ranks(each, request.function, request.args)
 
 
 def fork_ranks(each: list[WorkerSettings], function: Callable, args: tuple) -> list[WorkerProcess]:

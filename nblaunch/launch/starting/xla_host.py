@@ -8,30 +8,37 @@ import os
 import cloudpickle
 
 from nblaunch.launch.planning.plan import LaunchPlan
-from nblaunch.launch.starting.base import Starter
 from nblaunch.launch.processes.processes import Pipes, WorkerProcess, fork_process
-from nblaunch.preimport import import_for_ranks
+from nblaunch.launch.starting.base import Starter
+from nblaunch.launch.starting.preload import Preloaded, preload_here
 from nblaunch.worker.xla_ranks import RankEnds, run_host
+
+# About 3 s per launch otherwise; importing does not start the XLA runtime.
+XLA_LAUNCHER = ("torch_xla.distributed.xla_multiprocessing", ())
 
 
 class XlaHostStarter(Starter):
     """One host process for every rank of the launch."""
 
-    def environ_for_ranks(self, plan: LaunchPlan) -> dict[str, str]:
-        # About 3 s per launch otherwise; importing does not start the XLA runtime.
-        return import_for_ranks("torch_xla.distributed.xla_multiprocessing")
+    def __init__(self) -> None:
+        self._preloaded = Preloaded({})
+
+    def prepare(self, plan: LaunchPlan) -> str:
+        self._preloaded = preload_here().preload([XLA_LAUNCHER])  # the host is forked from here
+        return self._preloaded.said
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
         # torch_xla pickles the function for its process pool (even with fork): cloudpickle it
         # first, so a function defined in a notebook cell travels by value.
         packed = cloudpickle.dumps((plan.request.function, plan.request.args))
         assert plan.xla_environ is not None
-        return [start_xla_host(dict(environ, **plan.xla_environ), packed, plan.num_processes)]
+        environ = {**self._preloaded.environ, **environ, **plan.xla_environ}
+        return [start_xla_host(environ, packed, plan.num_processes)]
 
 
 def start_xla_host(environ: dict[str, str], packed_function: bytes, num_ranks: int) -> WorkerProcess:
-    """Fork the process that runs ``xmp.spawn``; it and its children host every rank. The
-    launcher imported torch_xla first (``environ_for_ranks``), so the fork inherits it."""
+    """Fork the process that runs ``xmp.spawn``; it and its children host every rank. This
+    process imported torch_xla first (``prepare``), so the fork inherits it."""
     ranks = {rank: Pipes.open() for rank in range(num_ranks)}
     ends = {rank: RankEnds(p.stdout[1], p.stderr[1], p.events[1], p.control[0]) for rank, p in ranks.items()}
     parent = os.getpid()

@@ -48,10 +48,8 @@ class Supervisor(StoppingRanks):
     """Runs one launch's ranks to the end and returns their results in rank order."""
 
     def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
-                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0,
-                 learned: Callable[[list[str]], None] | None = None):
+                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0):
         self._emit = emit
-        self._learned = learned  # what a rank tells it imported, as it is told
         self._gpus = gpus  # each rank's GPU, sampled every SAMPLE_EVERY_S for its row
         self._next_sample = 0.0
         self._timeout = timeout
@@ -87,7 +85,7 @@ class Supervisor(StoppingRanks):
         # Said here, not when made: whoever waits for the ranks (a warm pool's first call) then
         # finds the launch holding this supervisor, ready to take frames for them.
         for rank in self._ranks.values():
-            self._emit(RankStarted(rank=rank.number, pid=rank.process.pid, began=rank.process.began))
+            self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         try:
             while self._live():
@@ -320,10 +318,7 @@ class Supervisor(StoppingRanks):
         elif kind == wire.CLEANED:
             rank.process.cleaned = True
         elif kind == wire.IMPORTED:
-            names = pickle.loads(body)
-            rank.imported += names
-            if self._learned is not None:
-                self._learned(names)
+            rank.imported += pickle.loads(body)
 
     def _fail(self, rank: WatchedRank, failure: RankFailure) -> None:
         if self._stopping_on_request and failure.collateral:

@@ -1,7 +1,7 @@
-"""For the warm-start tests: packages really installed (in this interpreter's site-packages,
-where the ranks' imports come from), and scenarios run in a fresh Jupyter kernel each (a
-kernel's warm start is kept per process: ``#%%`` in a scenario starts a new cell), or as a
-script in a fresh interpreter (``run_script``)."""
+"""For the preloading tests: packages really installed (in this interpreter's site-packages,
+where the ranks' imports come from), and scenarios run in a fresh Jupyter kernel each (what a
+kernel imported for its ranks is kept per process: ``#%%`` in a scenario starts a new cell), or
+as a script in a fresh interpreter (``run_script``)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,11 @@ class Installed:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def run(script: str, cwd: str, setup: str = "", timeout: float = 300, **environ: str) -> tuple[list[dict], str]:
+def run(script: str, cwd: str, setup: str = "", timeout: float = 300, cells: bool = False,
+        **environ: str):
     """Run HEADER, ``setup`` and ``script`` (cells split at ``#%%``) in a fresh kernel; every
-    ``say(...)`` it printed, and everything else it printed (stderr and stdout, in order)."""
+    ``say(...)`` it printed, and everything else it printed (stderr and stdout, in order).
+    ``cells``: what each cell printed instead (the first is HEADER's and ``setup``'s)."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -85,7 +87,9 @@ def run(script: str, cwd: str, setup: str = "", timeout: float = 300, **environ:
         for output in cell.outputs:
             if output.output_type == "error":
                 raise AssertionError(f"a cell failed: {output.ename}: {output.evalue}\n" + "\n".join(output.traceback))
-            shown.append(output.get("text", ""))
+        shown.append("".join(output.get("text", "") for output in cell.outputs))
+    if cells:
+        return shown
     text = "".join(shown)
     said = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
     return said, text

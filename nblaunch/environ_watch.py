@@ -1,35 +1,21 @@
-"""Importing modules in a process for the ranks it will fork, without changing what else runs
-in it: the variables an import writes are put back and handed to the ranks, and those it reads
-are noted (a library may keep their values from its import on).
+"""What one thread's code reads from and writes into ``os.environ``, the writes put back: for
+importing libraries in a process for the ranks it will fork, without changing what else runs in
+it (``launch/starting/preload``).
 
 Some imports write into ``os.environ`` (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR, torch_xla
-sets XLA_FLAGS and more). Those variables are for the ranks, not the user's kernel. Only what the
-importing thread itself read and wrote counts: the kernel's other threads (a cell that sets a
-variable meanwhile) are left alone.
+sets XLA_FLAGS and more). Those variables are for the ranks, not the user's kernel. Some read
+variables and keep their values from their import on. Only what the importing thread itself
+read and wrote counts: the kernel's other threads (a cell that sets a variable meanwhile) are left
+alone.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import contextlib
-import functools
-import importlib
 import os
 import threading
 from typing import Iterator
-
-
-@functools.lru_cache(maxsize=None)
-def import_for_ranks(module: str) -> dict[str, str]:
-    """Import ``module`` here (once per kernel); return what the import wrote into os.environ.
-
-    Example::
-
-        extra_environ = import_for_ranks("torch._dynamo")  # {"TORCHINDUCTOR_CACHE_DIR": ...}
-    """
-    with watched_environ() as watch:
-        importlib.import_module(module)
-    return watch.written
 
 
 @contextlib.contextmanager
@@ -117,6 +103,18 @@ class EnvironWatch(collections.abc.MutableMapping):
         if self._mine():
             self.read.add("*")
         return self._real.copy()
+
+    # Going through them all reads no variable by its name ("*"): a library that filters the
+    # environment at import (torch's does) keeps no value of any one of them.
+    def items(self):  # noqa: ANN201  os.environ's view
+        if self._mine():
+            self.read.add("*")
+        return self._real.items()
+
+    def values(self):  # noqa: ANN201  os.environ's view
+        if self._mine():
+            self.read.add("*")
+        return self._real.values()
 
     def __getattr__(self, name: str) -> object:  # os._Environ's own (encodekey, ...)
         return getattr(self._real, name)
