@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import time
 from typing import Any, Callable
 
@@ -19,10 +20,31 @@ from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
-from nblaunch.launch.starting.report import preloaded  # noqa: F401  (a public name: nblaunch.preloaded)
+from nblaunch.launch.starting.report import PreloadReport, preloaded_here
 from nblaunch.launch.post_mortem import debug  # noqa: F401  (a public name: nblaunch.debug)
 from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks
+
+
+def preloaded() -> PreloadReport:
+    """What the next launch's ranks will find ready where they come from (this process, the
+    launch server, the Ray nodes kept from the last launch on a cluster), and what is left to the
+    ranks and why; ``.release()`` lets the server and the kept nodes go. See README's
+    "Re-running a cell".
+
+    Example::
+
+        >>> nblaunch.preloaded().here    # ('sklearn', 'torch')
+        >>> nblaunch.preloaded().release()
+    """
+    report = preloaded_here()
+    ray_nodes = sys.modules.get("nblaunch.cluster.ray_nodes")  # only where a Ray launch ran: Ray is never loaded to look
+    if ray_nodes is not None:
+        kept = ray_nodes.kept_nodes()
+        report = dataclasses.replace(report, ray_nodes=tuple(
+            f"{n.request.describe()}, agents up since the last launch" for n in kept.held()),
+            releasers=report.releasers + (kept.release_all,))
+    return report
 
 
 def notebook_launcher(

@@ -6,7 +6,8 @@ stacks, teardown and logs are exactly those of a launch on one machine. Its disp
 the driver long-polls ``next_events`` and merges every node's stream into the cell.
 
 The agent's ranks die with it: they are forked from its forking thread (PR_SET_PDEATHSIG), and
-Ray kills a job's actors when the driver (the notebook's kernel) goes away.
+Ray kills a job's actors when the driver (the notebook's kernel) goes away. An agent serves one
+launch after another (``ray_nodes`` keeps it between them), each with a queue of its own.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class NodeAgent:
         # folders exist here too (one machine, a shared file system), they import as there.
         sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
         self._imported.join()
+        self._queue = _EventQueue()  # a kept agent's earlier launch left its own
         request = dataclasses.replace(cloudpickle.loads(packed_request), node_rank=place.node_rank,
                                       master_addr=place.master_addr, use_port=place.master_port, display=self._queue)
         self._launch = Launch(LocalHome(request))

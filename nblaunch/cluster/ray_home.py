@@ -6,8 +6,8 @@ Ray only places things: a placement group holds one bundle per node (every node 
 launch of that node's ranks, and node 0's agent names the rendezvous (its address and a port
 free there). Everything else (forking, lifelines, stacks, teardown, logs) is the local launch's,
 on each node; :class:`~nblaunch.cluster.watcher.NodesWatcher` merges the nodes' events into the
-cell. After every attempt the agents are killed and the placement group removed. A detached
-launch is kept by an actor of the cluster (``ray_keeper``).
+cell. The group and its agents are kept for the next launch of the same shape (``ray_nodes``).
+A detached launch is kept by an actor of the cluster (``ray_keeper``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import contextlib
 import dataclasses
 import sys
 import time
-import uuid
 from typing import Any, Callable, ClassVar, Iterator
 
 import cloudpickle
 
-from nblaunch.cluster import ray_placement
-from nblaunch.cluster.agent import NodeAgent, NodePlace, check_cluster_request
+from nblaunch.cluster import ray_nodes, ray_placement
+from nblaunch.cluster.agent import NodePlace, check_cluster_request
 from nblaunch.cluster.ray_keeper import kept_on_ray, start_on_ray
 from nblaunch.cluster.ray_links import RayLinks
+from nblaunch.cluster.ray_nodes import kept_nodes
 from nblaunch.cluster.ray_placement import NodeRequest
 from nblaunch.cluster.watcher import NodesWatcher
 from nblaunch.contract.version import __version__
@@ -41,9 +41,6 @@ from nblaunch.launch.planning.plan import (
 )
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.processes.packing import Payload
-
-_AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack request at once
-
 
 class RayHome:
     """The ranks of a launch, one agent per Ray node (see the module's docstring)."""
@@ -100,34 +97,32 @@ class RayHome:
     def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
                 log_dir: str) -> Iterator[NodesWatcher]:
         ray = self._ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         started = time.monotonic()  # the launch's timeout covers placing and starting too
-
-        name = f"nblaunch-{uuid.uuid4().hex[:8]}"
-        group = ray_placement.reserve(ray, self._nodes, name)
-        agents: list[Any] = []
+        nodes = kept_nodes().take(ray, self._nodes)
+        watcher: NodesWatcher | None = None
         try:
-            bundle = self._nodes.bundle
-            agent_class = ray.remote(NodeAgent)
-            for index in range(plan.num_nodes):
-                agents.append(agent_class.options(
-                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=_AGENT_CONCURRENCY,
-                    name=f"{name}-node{index}",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                ).remote())
-            where = self._where(agents, group)
+            try:
+                where = self._where(nodes.agents, nodes.group)
+            except LaunchConfigError:
+                if not nodes.kept:
+                    raise
+                # A kept agent died since the last launch (its node went, Ray lost it): place anew.
+                ray_nodes.release(ray, nodes)
+                nodes = ray_nodes.place(ray, self._nodes, nodes.cluster)
+                where = self._where(nodes.agents, nodes.group)
             address, free_port, _ = where[0]
             port = plan.master_port if plan.port_pinned else free_port
             emit(RanksPlaced(tuple(w[0] for w in where), plan.num_processes, address, port))
             node_request = ray.put(cloudpickle.dumps(self._node_request))  # the function and its arguments, once
             starts = [agent.start.remote(node_request, NodePlace(index, address, port), list(sys.path))
-                      for index, agent in enumerate(agents)]
+                      for index, agent in enumerate(nodes.agents)]
             self._get(starts, "could not start its ranks")
             left = None if time_left is None else max(0.0, time_left - (time.monotonic() - started))
-            yield NodesWatcher(RayLinks(ray, agents), plan.num_nodes, plan.num_processes, emit, left)
+            watcher = NodesWatcher(RayLinks(ray, nodes.agents), plan.num_nodes, plan.num_processes, emit, left)
+            yield watcher
         finally:
-            ray_placement.release(ray, agents, group)
+            # Kept for the next launch only where every node's launch was seen to end.
+            kept_nodes().give_back(ray, nodes, usable=watcher is not None and watcher.every_node_ended)
 
     def keep(self) -> KeptLaunch:
         return start_on_ray(type(self), self.plan.request, self.plan.world_size)
@@ -145,7 +140,7 @@ class RayHome:
         ready, _ = self._ray.wait(asked, num_returns=len(asked), timeout=ray_placement.WAIT_FOR_PLACEMENT_S)
         if len(ready) < len(asked):
             if not ray_placement.is_placed(self._ray, group):
-                raise ray_placement.unplaced_error(self._ray, self._request, ray_placement.WAIT_FOR_PLACEMENT_S)
+                raise ray_placement.unplaced_error(self._ray, self._nodes, ray_placement.WAIT_FOR_PLACEMENT_S)
         where = self._get(asked, "did not start")
         for index, (address, _, version) in enumerate(where):
             if version != __version__:

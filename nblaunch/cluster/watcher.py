@@ -147,6 +147,12 @@ class NodesWatcher:
             raise RuntimeError(f"node {node.index}'s launch ended without results: {node.outcome[1]}")
         return [value for node in self._nodes for value in _loaded_results(node)]
 
+    @property
+    def every_node_ended(self) -> bool:
+        """Whether every node's launch was seen to end, none of its agents lost: the agents are
+        free for another launch."""
+        return all(node.outcome is not None and node.outcome[0] != "lost" for node in self._nodes)
+
     # ------------------------------------------------------------------ the streams
     def _live(self) -> list[_Node]:
         return [node for node in self._nodes if node.outcome is None]

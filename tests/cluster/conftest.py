@@ -55,8 +55,12 @@ def live_placement_groups(address: str) -> list:
 
 @pytest.fixture
 def nothing_left_in_ray(ray_cluster):
-    """After the test: no live actor and no placement group (Ray's state API says)."""
+    """After the test, once the nodes kept for a next launch are let go (``preloaded().release()``):
+    no live actor and no placement group (Ray's state API says)."""
     yield
+    import nblaunch
+
+    nblaunch.preloaded().release()
     assert live_actors(ray_cluster.address) == [], "actors left behind"
     assert live_placement_groups(ray_cluster.address) == [], "placement groups left behind"
 

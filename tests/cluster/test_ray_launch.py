@@ -1,5 +1,6 @@
 """notebook_launcher(..., num_nodes=2, cluster="ray") on a real two-node Ray cluster: 2 ranks
-per node, gloo. Every test also checks that Ray lists no live actor or placement group after."""
+per node, gloo. Every test also checks that Ray lists no live actor or placement group after the
+nodes kept for a next launch are let go."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def test_results_come_back_in_rank_order_from_both_nodes(recorder, ray_state):
     assert node_of_rank[0] == node_of_rank[1] != node_of_rank[2] == node_of_rank[3]
     assert [e.rank for e in recorder.of(RankFinished)] and all(
         e.state is RankState.DONE for e in recorder.of(RankFinished))
+
+
+def agent_and_torch():
+    return os.getppid(), "torch" in sys.modules
+
+
+def test_the_next_launch_of_the_same_shape_takes_the_nodes_the_last_one_kept(ray_state):
+    """The agents (and their placement group) stay between launches, torch loaded there; a launch
+    of another shape lets them go first; preloaded().release() lets them go."""
+    import nblaunch
+
+    first = notebook_launcher(agent_and_torch, display="none", **RAY)
+    assert len(ray_state.actors()) == 2 and len(ray_state.placement_groups()) == 1  # kept
+    assert "kept on Ray: 2 nodes" in repr(nblaunch.preloaded())
+    second = notebook_launcher(agent_and_torch, display="none", **RAY)
+    assert [agent for agent, _ in second] == [agent for agent, _ in first]  # the same agents
+    assert all(torch_there for _, torch_there in second)  # forked from agents that had it loaded
+    other = notebook_launcher(agent_and_torch, display="none", num_processes=1, num_nodes=2, cluster="ray")
+    assert not {agent for agent, _ in other} & {agent for agent, _ in first}  # another shape: new agents
+    assert len(ray_state.placement_groups()) == 1  # the first shape's were let go
+    assert nblaunch.preloaded().release() == 2
+    assert ray_state.actors() == [] and ray_state.placement_groups() == []
 
 
 def chatty():

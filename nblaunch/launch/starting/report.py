@@ -1,11 +1,12 @@
-"""What the next launch's ranks will find imported where they come from: ``nblaunch.preloaded()``.
+"""What the next launch's ranks will find ready where they come from: ``nblaunch.preloaded()``.
 
 Example (in a notebook, after a launch whose function imports scikit-learn)::
 
     >>> nblaunch.preloaded()
-    Imported for the ranks before they are forked (NBLAUNCH_PRELOAD=1):
-      in this process: sklearn, torch._dynamo
+    Ready for the next launch's ranks (NBLAUNCH_PRELOAD=1):
+      imported in this process: sklearn, torch._dynamo
       no launch server runs
+    >>> nblaunch.preloaded().release()   # the launch server (and kept Ray nodes) let go: 1
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import Callable
 
 from nblaunch.contract.variables import PRELOAD
 from nblaunch.launch.starting.preload import preload_here
@@ -32,16 +34,25 @@ class PreloadReport:
     refused: dict[str, str]  # packages left to the ranks themselves, and why
     setting: str  # NBLAUNCH_PRELOAD
     server_replaced: str | None = None  # why the last launch server was replaced
+    ray_nodes: tuple[str, ...] = ()  # the Ray nodes kept for the next launch, in words
+    releasers: tuple[Callable[[], int], ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    def release(self) -> int:
+        """Let go what is kept for the next launch: the launch server, the Ray nodes (their
+        agents and the CPUs and GPUs they hold); how many processes that was. The next launch
+        starts them again."""
+        return sum(release() for release in self.releasers)
 
     def __repr__(self) -> str:
-        lines = [f"Imported for the ranks before they are forked ({PRELOAD}={self.setting}):"]
-        lines.append(f"  in this process: {_names(self.here) or 'nothing yet'}")
+        lines = [f"Ready for the next launch's ranks ({PRELOAD}={self.setting}):"]
+        lines.append(f"  imported in this process: {_names(self.here) or 'nothing yet'}")
         if self.server_pid is None:
             lines.append("  no launch server runs")
         else:
-            lines.append(f"  in the launch server (pid {self.server_pid}): {_names(self.server) or 'torch'}")
+            lines.append(f"  imported in the launch server (pid {self.server_pid}): {_names(self.server) or 'torch'}")
         if self.server_replaced:
             lines.append(f"  the last launch server was replaced: {self.server_replaced}")
+        lines += [f"  kept on Ray: {nodes}" for nodes in self.ray_nodes]
         for package, why in self.refused.items():
             lines.append(f"  left to the ranks: {package} ({why})")
         return "\n".join(lines)
@@ -50,14 +61,10 @@ class PreloadReport:
         printer.text(repr(self))
 
 
-def preloaded() -> PreloadReport:
-    """What the next launch's ranks will find imported where they are forked from (this process,
-    the launch server), and what is left to them and why. See README's "Re-running a cell".
-
-    Example::
-
-        >>> nblaunch.preloaded().here    # ('sklearn', 'torch')
-    """
+def preloaded_here() -> PreloadReport:
+    """What the next launch's ranks will find imported where they are forked from on this
+    machine (this process, the launch server), and what is left to them and why
+    (``nblaunch.preloaded()`` adds a cluster's kept nodes)."""
     server = running_server()
     here = preload_here()
     return PreloadReport(
@@ -67,7 +74,17 @@ def preloaded() -> PreloadReport:
         refused={**here.refused, **server_refusals().why},
         setting=os.environ.get(PRELOAD, "1"),
         server_replaced=servers().replaced_because,
+        releasers=(_release_server,),
     )
+
+
+def _release_server() -> int:
+    server = running_server()
+    if server is None:
+        return 0
+    servers().current = None
+    server.close()
+    return 1
 
 
 def _names(packages: tuple[str, ...]) -> str:
