@@ -24,9 +24,11 @@ def names(function, args=()) -> list[str]:
 
 
 def imports_inside():
-    import json  # noqa: F401  the standard library: never
-    from sklearn.datasets import load_digits  # noqa: F401
-    import torch.distributed as dist  # noqa: F401
+    import json  # the standard library: never wanted
+    from sklearn.datasets import load_digits
+    import torch.distributed as dist
+
+    return json, load_digits, dist
 
 
 def test_the_functions_own_import_statements_are_read_with_the_names_a_from_import_takes():
@@ -38,12 +40,16 @@ def test_the_functions_own_import_statements_are_read_with_the_names_a_from_impo
 
 
 def helper_of_the_notebook():
-    from sklearn.linear_model import LinearRegression  # noqa: F401
+    from sklearn.linear_model import LinearRegression
+
+    return LinearRegression
 
 
 class Model:
     def build(self):
-        from sklearn.preprocessing import StandardScaler  # noqa: F401
+        from sklearn.preprocessing import StandardScaler
+
+        return StandardScaler
 
 
 def reaches_the_users_code(argument_function):
@@ -54,14 +60,18 @@ def reaches_the_users_code(argument_function):
 
 def test_the_users_own_functions_classes_closures_and_arguments_are_read_too():
     def in_a_closure():
-        from sklearn.cluster import KMeans  # noqa: F401
+        from sklearn.cluster import KMeans
+
+        return KMeans
 
     def launched():
         in_a_closure()
         return reaches_the_users_code(None)
 
     def given_as_an_argument():
-        from sklearn.svm import SVC  # noqa: F401
+        from sklearn.svm import SVC
+
+        return SVC
 
     found = names(launched, (functools.partial(given_as_an_argument),))
     for module in ("sklearn.linear_model", "sklearn.preprocessing", "sklearn.cluster", "sklearn.svm"):
