@@ -1,7 +1,7 @@
 """The public way to start a launch (``notebook_launcher``, ``debug_launcher``) and to find
 detached ones again (``launches``, ``attach``, ``find``).
 
-The top of the house: it may use every other part (the launch, its homes, warm ranks).
+The top of the house: it may use every other part (the launch, its clusters, warm ranks).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable
 from nblaunch.detached import store
 from nblaunch.detached.detached_launch import DetachedLaunch
 from nblaunch.events import Display
-from nblaunch.homes import all_kept, open_home
+from nblaunch.clusters import all_kept, open_cluster
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
@@ -178,13 +178,13 @@ def notebook_launcher(
         stall_after=stall_after,
         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
         monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template)
-    home = open_home(request)
+    opened = open_cluster(request)
     ipython_errors.install()
     if detach:  # checked here, then kept by a supervisor (or on Ray, an actor) of its own
-        detached = DetachedLaunch(home.keep())
+        detached = DetachedLaunch(opened.keep())
         detached.watch(display)
         return detached
-    launch = Launch(home)
+    launch = Launch(opened)
     if not block:
         launch.start()
         return launch
@@ -239,7 +239,7 @@ def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes
         >>> debug_launcher(lambda: __import__("os").environ["RANK"], num_processes=2)  # doctest: +SKIP
         ['0', '1']
     """
-    return Launch(open_home(LaunchRequest(function, args, num_processes, cpu=True))).run()
+    return Launch(open_cluster(LaunchRequest(function, args, num_processes, cpu=True))).run()
 
 
 @dataclasses.dataclass(frozen=True)

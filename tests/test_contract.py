@@ -1,6 +1,6 @@
 """The contract between launcher and ranks (``nblaunch/contract``), and the one reader of
 ``cluster=``: each environment variable name is written once; every door accepts and refuses the
-same ``mixed_precision`` words; a rank's failure crosses as a typed record; only the home factory
+same ``mixed_precision`` words; a rank's failure crosses as a typed record; only the cluster factory
 branches on a cluster's name."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_each_environment_variable_name_is_written_once():
 
 
 def test_only_the_home_factory_tests_a_clusters_name():
-    """``cluster=`` names a home; only ``nblaunch/homes.py`` looks at the name."""
+    """``cluster=`` names a cluster; only ``nblaunch/clusters.py`` looks at the name."""
     def tests_cluster(node: ast.AST) -> bool:
         if not isinstance(node, ast.Compare) or not any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
                                                         for op in node.ops):
@@ -51,10 +51,10 @@ def test_only_the_home_factory_tests_a_clusters_name():
         return any((isinstance(o, ast.Name) and o.id == "cluster") or (isinstance(o, ast.Attribute) and o.attr == "cluster")
                    or (isinstance(o, ast.Constant) and o.value == "ray") for o in operands)
 
-    factory = PACKAGE / "homes.py"
+    factory = PACKAGE / "clusters.py"
     found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for path in PACKAGE.rglob("*.py") if path != factory
              for node in ast.walk(ast.parse(path.read_text())) if tests_cluster(node)]
-    assert not found, "ask the home (nblaunch.homes) instead: " + ", ".join(found)
+    assert not found, "ask the cluster (nblaunch.clusters) instead: " + ", ".join(found)
 
 
 # Every door's answer for each word: the canonical word, or "refused" (not a word of the vocabulary).

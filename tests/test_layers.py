@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
     ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
-     "nblaunch.environ_watch", "nblaunch.after_import", "nblaunch.facts", "nblaunch.per_process"],
+     "nblaunch.environ_watch", "nblaunch.after_import", "nblaunch.machine", "nblaunch.per_process"],
     ["nblaunch.worker", "nblaunch.display"],
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],
@@ -33,13 +33,13 @@ LAYERS = [
     ["nblaunch.training"],  # its __init__: the public names
     ["nblaunch.detached"],  # where a launch is kept outside the kernel; knows nothing of launches
     # launch/: what a launch is asked and planned, the processes it starts, how its ranks start
-    # (and begin with their imports), then the rest (the Launch, its homes).
+    # (and begin with their imports), then the rest (the Launch, its clusters).
     ["nblaunch.launch.errors", "nblaunch.launch.planning"],
     ["nblaunch.launch.processes"],
     ["nblaunch.launch.starting"],
     ["nblaunch.launch"],
     ["nblaunch.cluster"],
-    ["nblaunch.homes"],
+    ["nblaunch.clusters"],
     ["nblaunch.warm"],
     ["nblaunch.api", "nblaunch.demo"],
     ["nblaunch.cli", "nblaunch.__main__", "nblaunch.utils", "nblaunch.logging", "nblaunch.tracking",

@@ -22,7 +22,7 @@ from nblaunch.cli.outcome import USAGE, launch_in_terminal
 from nblaunch.cli.script import Script
 from nblaunch.contract.precision import PRECISIONS
 from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES, FSDP_VARIABLES
-from nblaunch.homes import HOMES
+from nblaunch.clusters import CLUSTERS
 
 _DESCRIPTION = """\
 Run a training script on several processes: each one runs it as __main__ with the same
@@ -111,7 +111,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="address of node 0 (default: 127.0.0.1)")
     add("--port", "--main_process_port", "--master_port", "--master-port", type=int, default=None, metavar="P",
         help="port of the rendezvous on node 0 (default: a free one; give it with --num-nodes > 1)")
-    add("--cluster", choices=[name for name in HOMES if name is not None], default=None,
+    add("--cluster", choices=[name for name in CLUSTERS if name is not None], default=None,
         help="start the ranks on the nodes of a cluster: ray, the Ray cluster this machine is connected to "
              "(needs nblaunch[ray]); slurm, this Slurm job's nodes (every one unless --num-nodes)")
     add("--timeout", type=seconds, default=None, metavar="S",

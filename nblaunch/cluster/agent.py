@@ -1,7 +1,7 @@
 """The agent on one Ray node: an ordinary nblaunch launch of that node's ranks.
 
 Ray starts one :class:`NodeAgent` actor per node (in the launch's placement group); the agent
-runs :class:`~nblaunch.launch.handle.Launch` there with the local home, so forking, lifelines,
+runs :class:`~nblaunch.launch.handle.Launch` there with ``LocalCluster``, so forking, lifelines,
 stacks, teardown and logs are exactly those of a launch on one machine. Its display is a queue:
 the driver long-polls ``next_events`` and merges every node's stream into the cell.
 
@@ -23,7 +23,7 @@ from nblaunch.contract.version import __version__
 from nblaunch.events import Event, LaunchFinished, LaunchStarted
 from nblaunch.launch.errors import LaunchConfigError, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.local_home import LocalHome
+from nblaunch.launch.local_cluster import LocalCluster
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.request import DEFAULT_MASTER_ADDR, LaunchRequest
 
@@ -59,8 +59,8 @@ class NodePlace:
 
 
 def check_cluster_request(request: LaunchRequest, cluster: str, who_starts: str, hint: str = "") -> None:
-    """What every cluster home refuses alike: a node number or meeting point of the user's own
-    (the home places every node; node 0 hosts the rendezvous), a start method other than fork or
+    """What every cluster refuses alike: a node number or meeting point of the user's own
+    (the cluster places every node; node 0 hosts the rendezvous), a start method other than fork or
     spawn, restarts. ``who_starts`` says who places the nodes ("Ray places"); ``hint`` ends the
     first message."""
     if request.node_rank != 0 or request.master_addr != DEFAULT_MASTER_ADDR:
@@ -76,7 +76,7 @@ def check_cluster_request(request: LaunchRequest, cluster: str, who_starts: str,
 
 
 class NodeAgent:
-    """Runs one node's ranks for the driver. Used as a Ray actor (see ``ray_home``).
+    """Runs one node's ranks for the driver. Used as a Ray actor (see ``ray_cluster``).
 
     Example (what the driver does)::
 
@@ -112,7 +112,7 @@ class NodeAgent:
         self._queue = _EventQueue()  # a kept agent's earlier launch left its own
         request = dataclasses.replace(cloudpickle.loads(packed_request), node_rank=place.node_rank,
                                       master_addr=place.master_addr, use_port=place.master_port, display=self._queue)
-        self._launch = Launch(LocalHome(request))
+        self._launch = Launch(LocalCluster(request))
         self._launch.start()
         threading.Thread(target=self._wait_for_end, name="nblaunch-agent-outcome", daemon=True).start()
 

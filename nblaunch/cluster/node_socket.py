@@ -1,5 +1,5 @@
-"""The driver's end of a socket to each node's agent, for homes whose engine only starts
-processes (Slurm's ``srun``), where Ray carries calls for the Ray home.
+"""The driver's end of a socket to each node's agent, for clusters whose engine only starts
+processes (Slurm's ``srun``), where Ray carries calls for ``RayCluster``.
 
 The driver listens (:class:`Hub`); every agent (``cluster/socket_agent``) connects, shows the
 launch's token, and says where it is. From then on both sides send frames: a 4-byte length and
@@ -8,7 +8,7 @@ a pickled tuple. Agent to driver: ``("hello", node, address, free_port, version)
 ``("cancel", why)``, ``("stacks",)``, ``("send", kind, body)``. Nothing is unpickled before the
 token has been checked: a process that is not the launch's agent is dropped unread.
 
-Example (what ``SlurmHome.attempt`` does)::
+Example (what ``SlurmCluster.attempt`` does)::
 
     with Hub(token) as hub:                   # listening on every interface, a free port
         ...                                   # srun starts one agent per node, told hub.port

@@ -1,7 +1,7 @@
 """Detached launches on a Ray cluster: ``notebook_launcher(..., cluster="ray", detach=True)``.
 
 A detached Ray actor, :class:`LaunchKeeper`, in nblaunch's namespace ``nblaunch-detached``,
-runs the launch as a driver would (the same ``Launch`` with the Ray home: a placement group, an
+runs the launch as a driver would (the same ``Launch`` with ``RayCluster``: a placement group, an
 agent per node, the agents owned by the keeper, so a driver's exit does not reach them) and keeps
 its events and outcome. :class:`KeptOnRay` is its place for
 :class:`~nblaunch.detached.detached_launch.DetachedLaunch`: any driver connected to the cluster lists it,
@@ -10,7 +10,7 @@ users: whoever can connect to it can see its launches.
 
 Example::
 
-    place = RayHome(request).keep()        # in the kernel: start_on_ray, returns at once
+    place = RayCluster(request).keep()        # in the kernel: start_on_ray, returns at once
     kept_on_ray()                          # from any driver connected to the cluster
 """
 
@@ -55,8 +55,8 @@ class LaunchKeeper:
 
     def _run(self, packed: bytes) -> None:
         try:
-            home_class, request = cloudpickle.loads(packed)  # the Ray home, handed over by its keep()
-            self._launch = Launch(home_class(dataclasses.replace(request, display=self)))
+            cluster_class, request = cloudpickle.loads(packed)  # ``RayCluster``, handed over by its keep()
+            self._launch = Launch(cluster_class(dataclasses.replace(request, display=self)))
             self._info.update(status="running", log_dir=self._launch.log_dir)
             outcome: tuple = ("ok", self._launch.run())
         except BaseException as error:
@@ -186,13 +186,13 @@ class KeptOnRay:
                 f"on the Ray nodes, under {self._last_state.get('log_dir') or 'each node’s nblaunch log folder'}")
 
 
-def start_on_ray(home_class: type, request: LaunchRequest, world_size: int) -> KeptOnRay:
+def start_on_ray(cluster_class: type, request: LaunchRequest, world_size: int) -> KeptOnRay:
     """Start ``request`` (checked already) under a detached keeper on the cluster this process is
-    connected to, which runs it with ``home_class`` (the Ray home); returns at once."""
+    connected to, which runs it with ``cluster_class`` (``RayCluster``); returns at once."""
     ray, _ = ray_placement.connect()
     launch_id = uuid.uuid4().hex[:12]
     info = {"function": request.function_name, "num_processes": world_size, "kind": "launch"}
-    packed = cloudpickle.dumps((home_class, dataclasses.replace(request, display="none")))
+    packed = cloudpickle.dumps((cluster_class, dataclasses.replace(request, display="none")))
     keeper = ray.remote(LaunchKeeper).options(
         name=f"launch-{launch_id}", namespace=NAMESPACE, lifetime="detached", num_cpus=0,
         max_concurrency=_KEEPER_CONCURRENCY,

@@ -1,9 +1,9 @@
 """Detached launches on Slurm (``detach=True``): the launch runs as a Slurm batch job of its own.
 
-The kernel writes the launch's folder in its state folder (``detached/store``: under the home
+The kernel writes the launch's folder in its state folder (``detached/store``: under the cluster
 directory, which a cluster's nodes share) and submits ``sbatch`` for the nodes the launch needs;
 the batch script is nblaunch's supervisor (``detached/daemon --here``), which runs the same
-``LaunchJob`` as a local detached launch, with the Slurm home, inside that job's allocation. The
+``LaunchJob`` as a local detached launch, with ``SlurmCluster``, inside that job's allocation. The
 kernel may then die: ``launches()`` and ``attach()`` in any kernel of the user's, on any machine
 of the cluster, find the folder, read its journal, and ask squeue whether the job still runs.
 Cancelling signals the batch script (the supervisor) through ``scancel``; a job that ended
@@ -30,7 +30,7 @@ _OVER = ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMP
 
 def submit(job: Any, allocation: Allocation, num_nodes: int, cpus: int, gpus: int, pythonpath: str,
            **state: Any) -> "KeptInSlurm":
-    """Write ``job`` (a ``LaunchJob`` with the Slurm home) to a new launch folder and submit the
+    """Write ``job`` (a ``LaunchJob`` with ``SlurmCluster``) to a new launch folder and submit the
     batch job that supervises it, asking for the nodes the launch would use here."""
     folder = new_job_folder(job, kind=KIND, **state)
     options = [f"--nodes={num_nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]

@@ -1,7 +1,7 @@
 """Watching a launch of several nodes from the notebook: every node's event stream merged into one.
 
 Each node's agent (``cluster/agent.NodeAgent``) runs a local launch of its ranks and keeps its
-events; the home's :class:`NodeLinks` brings them here (Ray: long-polls through ``ray.wait``;
+events; the cluster's :class:`NodeLinks` brings them here (Ray: long-polls through ``ray.wait``;
 Slurm: frames over a socket). This watcher renumbers each node's ranks into the world's (node
 k's local rank r is rank ``k * ranks_per_node + r``) and hands the events to the launch's
 display and logs, as a local supervisor would. The node launches stop themselves when one of
@@ -44,7 +44,7 @@ class NodeNews:
 
 
 class NodeLinks(Protocol):
-    """A home's way to the agents of its nodes (node k is ``k``). The commands never wait for
+    """A cluster's way to the agents of its nodes (node k is ``k``). The commands never wait for
     an answer and are safe to send to an agent that is gone."""
 
     def poll(self, live: list[int], timeout: float) -> list[NodeNews]:

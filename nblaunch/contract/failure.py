@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nblaunch import frames
-from nblaunch.contract.bounded import bounded_pickle
+from nblaunch.contract.limited_pickle import pickle_within
 from nblaunch.contract.kept_frames import KeptFrame
 
 __all__ = ["Phase", "RankFailure", "RemoteError", "RemoteTraceback", "NOT_NUMBERED"]
@@ -119,4 +119,4 @@ _EXCEPTION_MAX_BYTES = 4 << 20  # beyond this, its type, message and traceback o
 
 def _pickled_exception(error: BaseException | None) -> bytes | None:
     """The exception, pickled, if it is small and can be rebuilt; else None."""
-    return None if error is None else bounded_pickle(error, _EXCEPTION_MAX_BYTES)
+    return None if error is None else pickle_within(error, _EXCEPTION_MAX_BYTES)

@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from nblaunch import frames as frame_text
-from nblaunch.contract.bounded import bounded_pickle
+from nblaunch.contract.limited_pickle import pickle_within
 
 __all__ = ["KeptFrame", "KeptValue", "entries", "keep", "summary", "user_start", "with_locals"]
 
@@ -157,7 +157,7 @@ def _kept(entry: TracebackType, budget: _Budget) -> KeptFrame:
             kept[name] = KeptValue(type(value).__qualname__, said)
             continue
         try:
-            pickled = None if _off_cpu(value) else bounded_pickle(value, min(VALUE_MAX_BYTES, budget.bytes_left))
+            pickled = None if _off_cpu(value) else pickle_within(value, min(VALUE_MAX_BYTES, budget.bytes_left))
             kept[name] = _stand_in(value, said) if pickled is None else pickled
         except Exception:  # noqa: BLE001  a value that cannot even be looked at is named only
             kept[name] = KeptValue(type(value).__qualname__, said)

@@ -8,7 +8,7 @@ for detached warm ranks) where the kernel would have read it (its folder and ``s
 it, and exits. What the job ends with is in FOLDER (``outcome.pkl``, ``state.json``). A SIGTERM before the job is under way is kept for it.
 
 ``python -m nblaunch.detached.daemon --here FOLDER`` runs the job in this process instead: a
-Slurm batch job is the supervisor's home there, and Slurm keeps it apart from any kernel.
+Slurm batch job is the place the supervisor runs, and Slurm keeps it apart from any kernel.
 """
 
 from __future__ import annotations

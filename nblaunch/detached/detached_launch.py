@@ -1,7 +1,7 @@
 """The kernel's side of a detached launch: the handle (:class:`DetachedLaunch`) that watches
 it, waits for its outcome and cancels it, wherever it is kept (a
 :class:`~nblaunch.detached.kept_launch.KeptLaunch`: a supervisor here, an actor of a Ray
-cluster). Homes start detached launches (``RanksHome.keep``); ``nblaunch.api`` lists and finds them.
+cluster). Homes start detached launches (``Cluster.keep``); ``nblaunch.api`` lists and finds them.
 
 Example::
 

@@ -29,7 +29,7 @@ from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.processes.packing import Payload
-from nblaunch.launch.ranks_home import RanksHome, RankWatcher
+from nblaunch.launch.cluster_interface import Cluster, RankWatcher
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -37,7 +37,7 @@ _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 class Launch:
     """A launch in progress or finished; ``notebook_launcher(..., block=False)`` returns one.
 
-    Made from a home (``launch/ranks_home``), which holds the checked request and its plan: the
+    Made from a cluster (``launch/cluster_interface``), which holds the checked request and its plan: the
     function, its arguments, the timeout and the display are the request's.
 
     Example::
@@ -48,13 +48,13 @@ class Launch:
         launch.cancel()        # or: results = launch.result()
     """
 
-    def __init__(self, home: RanksHome):
+    def __init__(self, cluster: Cluster):
         self.launch_id = uuid.uuid4().hex
-        # On the caller's thread: a home may import for the ranks or check the cluster first,
+        # On the caller's thread: a cluster may import for the ranks or ask its nodes first,
         # and says what it did in the plan's words.
-        self._home = home
-        self._home.prepare(self.launch_id)
-        self.plan = plan = home.plan
+        self._cluster = cluster
+        self._cluster.prepare(self.launch_id)
+        self.plan = plan = cluster.plan
         self._timeout = plan.request.timeout
         self._future: Future = Future()
         self._lock = threading.Lock()
@@ -68,7 +68,7 @@ class Launch:
         self._status = "starting"
         self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
-        self.log_dir = new_log_dir(home.shared_log_root())
+        self.log_dir = new_log_dir(cluster.shared_log_root())
         self._logs = LogFiles(self.log_dir, plan.shown_ranks)
         # Made here, on the caller's thread: a widget shows itself in the launching cell.
         self._display = make_display(plan.request.display, plan.shown_ranks)
@@ -276,7 +276,7 @@ class Launch:
             timeout = self._timeout - (time.monotonic() - started)
             if timeout <= 0:
                 raise LaunchTimeoutError(self._timeout, {})
-        with self._home.attempt(plan, self._emit, timeout, self.log_dir) as watcher:
+        with self._cluster.attempt(plan, self._emit, timeout, self.log_dir) as watcher:
             with self._lock:
                 self._supervisor = watcher
                 if self._cancel_requested:

@@ -15,7 +15,7 @@ it held the resolver's lock would wait for that lock for ever, in its own first 
 store (seen: 1 launch in a few hundred). So the socket listens before the ranks start (a rank's
 connection waits in its backlog) and the store begins to serve once every rank is forked.
 
-Example (what ``LocalHome.attempt`` does around starting the ranks)::
+Example (what ``LocalCluster.attempt`` does around starting the ranks)::
 
     with Rendezvous(plan) as rendezvous:     # listening, nothing served yet
         workers = starter.start(plan, environ)

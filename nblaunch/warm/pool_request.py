@@ -1,30 +1,30 @@
-"""The request and the home of a pool of warm ranks: checked when it is made, planned again for
+"""The request and the cluster of a pool of warm ranks: checked when it is made, planned again for
 each fresh start of its ranks (a fresh port).
 
 Example::
 
     request = pool_request(2, "no", None, None, None, None, True, 60.0)
-    home = pool_home(request)    # bad input refused here; nothing started
+    cluster = pool_cluster(request)    # bad input refused here; nothing started
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from nblaunch.homes import home_class, open_home
+from nblaunch.clusters import cluster_class, open_cluster
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.ranks_home import RanksHome
+from nblaunch.launch.cluster_interface import Cluster
 from nblaunch.worker.calls import serve_calls
 
 
-def pool_home(request: LaunchRequest) -> RanksHome:
-    """The home of a pool (planned again for each fresh pool: a fresh port)."""
-    home = open_home(request)
-    if home.plan.start_method == "xla":
+def pool_cluster(request: LaunchRequest) -> Cluster:
+    """The cluster of a pool (planned again for each fresh pool: a fresh port)."""
+    cluster = open_cluster(request)
+    if cluster.plan.start_method == "xla":
         raise LaunchConfigError("warm ranks do not run on TPUs yet (torch_xla's xmp.spawn owns the "
                                 "processes); use notebook_launcher, which starts them per call")
-    return home
+    return cluster
 
 
 def pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start_method: Any, num_nodes: Any,
@@ -33,7 +33,7 @@ def pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start_
     request = LaunchRequest(serve_calls, (), num_processes, mixed_precision, use_port, num_nodes=num_nodes,
                             start_method=start_method, display="none", cpu=cpu, cluster=cluster,
                             stall_after=stall_after)
-    if num_nodes not in (None, 1) and not home_class(request).starts_every_node:
+    if num_nodes not in (None, 1) and not cluster_class(request).starts_every_node:
         raise LaunchConfigError("warm ranks on several machines need a cluster to keep them: pass cluster='ray' or "
                                 "cluster='slurm', "
                                 f"or leave num_nodes out (got num_nodes={num_nodes!r})")

@@ -29,7 +29,7 @@ from nblaunch import wire
 from nblaunch.detached import call_socket, store
 from nblaunch.display import make_display
 from nblaunch.events import Display, RankState
-from nblaunch.homes import home_class
+from nblaunch.clusters import cluster_class
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchCancelledError, LaunchConfigError, LaunchTimeoutError
 from nblaunch.launch.handle import Launch
@@ -40,7 +40,7 @@ from nblaunch.launch.processes.packing import Payload
 from nblaunch.warm.call_outcome import finish_call, raise_how_the_pool_ended, show_start
 from nblaunch.warm.call_router import CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
-from nblaunch.warm.pool_request import pool_home, pool_request
+from nblaunch.warm.pool_request import pool_cluster, pool_request
 from nblaunch.warm.settling import Presses, Settling
 from nblaunch.worker.warm.group import reform_group
 
@@ -85,11 +85,11 @@ class WarmRanks:
             return super().__new__(cls)
         request = pool_request(num_processes, mixed_precision, use_port, start_method, num_nodes, cluster, cpu,
                                 stall_after)
-        if not home_class(request).keeps_warm_ranks:
+        if not cluster_class(request).detaches_warm_ranks:
             raise LaunchConfigError(f"detach=True keeps warm ranks on this machine: leave cluster={cluster!r} out "
                                     "(detached warm ranks on a cluster are not supported yet)")
-        home = pool_home(request)  # bad input is refused here; it starts nothing
-        return DetachedWarmRanks.start(PoolJob(request), home.plan.num_processes, display)
+        pooled = pool_cluster(request)  # bad input is refused here; it starts nothing
+        return DetachedWarmRanks.start(PoolJob(request), pooled.plan.num_processes, display)
 
     @classmethod
     def attach(cls, launch_id: str | None = None, display: str | Display = "auto") -> DetachedWarmRanks:
@@ -117,7 +117,7 @@ class WarmRanks:
         self._display = display
         # Bad input is refused here, before anything starts; each start of the ranks plans again
         # (a fresh port), with the display that routes each call's events to its cell.
-        self._home = pool_home(request)
+        self._cluster = pool_cluster(request)
         self._launch: Launch | None = None
         self._router: CallRouter | None = None
         self._ids = itertools.count(1)
@@ -132,11 +132,11 @@ class WarmRanks:
     @property
     def num_processes(self) -> int:
         """Ranks per node (all of them on one machine)."""
-        return self._home.plan.num_processes
+        return self._cluster.plan.num_processes
 
     @property
     def _num_ranks(self) -> int:
-        return self._home.plan.shown_ranks
+        return self._cluster.plan.shown_ranks
 
     @property
     def alive(self) -> bool:
@@ -291,8 +291,8 @@ class WarmRanks:
                   f"one{'s' * (self._num_ranks != 1)}: what the old ones held is gone", file=sys.stderr)
             self._ended_with = None
         router = CallRouter(self._num_ranks)
-        self._home = pool_home(dataclasses.replace(self.request, display=router))
-        launch = Launch(self._home)
+        self._cluster = pool_cluster(dataclasses.replace(self.request, display=router))
+        launch = Launch(self._cluster)
         launch.start(stop_at_exit=False)  # warm ranks are closed quietly at exit, see _close_all
         self._launch, self._router = launch, router
         try:
@@ -319,7 +319,7 @@ class WarmRanks:
         if not callable(function):
             raise LaunchConfigError(f"run() needs a function to call, got {type(function).__name__}")
         try:
-            return self._home.package((call_id, function, args, only))
+            return self._cluster.package((call_id, function, args, only))
         except Exception:
             pickling.check_picklable(function, args)  # names the culprit
             raise

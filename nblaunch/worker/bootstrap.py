@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 from nblaunch import proctree, wire
-from nblaunch.facts.installed import installed_modules, loaded_since
+from nblaunch.machine.installed import installed_modules, loaded_since
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
 from nblaunch.worker import calls, channel, compile_watch, lifeline, movement, payload

@@ -91,7 +91,7 @@ def launch(mixed_precision, hold_gib=0, extra=None):
     return result
 
 def gpu_used_mib():
-    from nblaunch.facts import nvml
+    from nblaunch.machine import nvml
     library, handles = nvml.open_nvml()
     free, used, total = nvml.memory_info(library, handles[0])
     library.nvmlShutdown()

@@ -168,7 +168,7 @@ def test_accelerates_parameters_come_in_its_order_and_mean_the_same():
     assert [p.name for p in ours[:len(theirs)]] == [p.name for p in theirs]  # positional calls port as they are
     for mine, their in zip(ours, theirs):
         assert mine.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
-        # use_port None: a free port, where Accelerate's "29500" collides; num_nodes None: the home
+        # use_port None: a free port, where Accelerate's "29500" collides; num_nodes None: the cluster
         # decides, 1 on this machine as Accelerate's 1, every node of a Slurm job with cluster="slurm".
         if mine.name not in ("use_port", "num_nodes"):
             assert mine.default == their.default, mine.name

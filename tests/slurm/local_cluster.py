@@ -288,7 +288,7 @@ class LocalSlurm:
             for name, port in zip(self.node_names, node_ports)
         )
         return f"""\
-# Written by tests/slurm/local_cluster.py: a private cluster; nothing here is shared.
+# SavedByStrategy by tests/slurm/local_cluster.py: a private cluster; nothing here is shared.
 ClusterName={self.cluster_name}
 SlurmctldHost={host}(127.0.0.1)
 # Never the default 6817/6818: a system Slurm on this machine is never joined.

@@ -11,8 +11,8 @@ import os
 from functools import lru_cache
 
 from nblaunch.contract.variables import CUDA_VISIBLE_DEVICES
-from nblaunch.facts.cuda import cuda_initialized  # noqa: F401  (the planner asks it here)
-from nblaunch.facts.nvml import NVML_SUCCESS as _NVML_SUCCESS, open_nvml
+from nblaunch.machine.cuda import cuda_initialized  # noqa: F401  (the planner asks it here)
+from nblaunch.machine.nvml import NVML_SUCCESS as _NVML_SUCCESS, open_nvml
 
 
 @lru_cache(maxsize=1)

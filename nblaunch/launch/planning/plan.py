@@ -1,8 +1,8 @@
 """Deciding how a launch will run: its :class:`LaunchPlan`, from the checked
-:class:`~nblaunch.launch.planning.request.LaunchRequest` and what the home has.
+:class:`~nblaunch.launch.planning.request.LaunchRequest` and what the cluster has.
 
-Each home makes the plan for its ranks: this machine's in :func:`plan_here` (GPUs, start
-method, a free port, the XLA host), a Ray cluster's in ``nblaunch.cluster.ray_home``; both take
+Each cluster makes the plan for its ranks: this machine's in :func:`plan_here` (GPUs, start
+method, a free port, the XLA host), a Ray cluster's in ``nblaunch.cluster.ray_cluster``; both take
 their ranks per node from :func:`ranks_per_node`. Nothing starts here: a refused launch leaves
 nothing behind.
 
@@ -112,7 +112,7 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
 
 def ranks_per_node(request: LaunchRequest, gpus: int) -> int:
     """The ranks each node runs: as asked, else one per GPU (``gpus`` each node gives the
-    launch), else ``CPU_RANKS_BY_DEFAULT``. Every home counts this way."""
+    launch), else ``CPU_RANKS_BY_DEFAULT``. Every cluster counts this way."""
     return request.num_processes or gpus or CPU_RANKS_BY_DEFAULT
 
 

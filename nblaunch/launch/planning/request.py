@@ -1,4 +1,4 @@
-"""The request: one launch's settings, one typed object from the cell to the ranks' home.
+"""The request: one launch's settings, one typed object from the cell to the ranks' cluster.
 
 ``notebook_launcher``, ``debug_launcher``, ``WarmRanks``, ``nblaunch launch``, a detached
 launch's supervisor and a Ray node's agent all hold a :class:`LaunchRequest`. Its checks and
@@ -8,7 +8,7 @@ before anything starts. Whoever needs a variant (a node's part of a Ray launch, 
 showing each call in its own cell) makes it with ``dataclasses.replace``, which checks again.
 
 What depends on where the ranks run (GPUs here, nodes of a cluster, a free port) is the
-home's to decide, in its :class:`~nblaunch.launch.planning.plan.LaunchPlan`.
+cluster's to decide, in its :class:`~nblaunch.launch.planning.plan.LaunchPlan`.
 
 Example::
 
@@ -45,20 +45,20 @@ class LaunchRequest:
 
     function: Callable[..., Any]
     args: tuple = ()
-    num_processes: int | None = None  # ranks per node; None: one per GPU, or 2 CPU ranks (the home decides)
+    num_processes: int | None = None  # ranks per node; None: one per GPU, or 2 CPU ranks (the cluster decides)
     mixed_precision: str = "no"  # one of nblaunch.contract.precision.PRECISIONS (another spelling becomes one)
     use_port: int | None = None  # the rendezvous port; None: a free one
     master_addr: str = DEFAULT_MASTER_ADDR
     node_rank: int = 0
-    num_nodes: int | None = None  # None: the home decides (1; every node of a Slurm allocation)
+    num_nodes: int | None = None  # None: the cluster decides (1; every node of a Slurm allocation)
     start_method: str | None = None  # None: fork where it is safe, else spawn
     timeout: float | None = None  # seconds for the whole launch, restarts included
     display: str | Display = "auto"
     cpu: bool = False  # every rank on the CPU, the GPUs hidden
     max_restarts: int = 0
     run_id: str = "none"  # torchrun's TORCHELASTIC_RUN_ID (Accelerate's rdzv_id)
-    cluster: str | None = None  # which home: read by nblaunch.homes, nowhere else
-    resources: Mapping[str, Any] | None = None  # what a cluster's home asks it for (Slurm, outside an allocation)
+    cluster: str | None = None  # which cluster: read by nblaunch.clusters, nowhere else
+    resources: Mapping[str, Any] | None = None  # what a cluster's class asks it for (Slurm, outside an allocation)
     stall_after: float | None = STALL_AFTER_S  # seconds without progress before the cell shows a stall; None: never
 
     def __post_init__(self) -> None:

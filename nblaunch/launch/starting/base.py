@@ -1,6 +1,6 @@
 """How a launch's processes start: one :class:`Starter` per way (``STARTERS`` in the package).
 
-A :class:`~nblaunch.launch.local_home.LocalHome` takes the starter its plan names. ``prepare``
+A :class:`~nblaunch.launch.local_cluster.LocalCluster` takes the starter its plan names. ``prepare``
 runs once per launch, on the caller's thread: the process the ranks will be forked from imports
 what they will import (``preload``), and the starter says so in a few words for the launch's
 line. ``start`` starts every process of one attempt; ``release`` frees what it held for them.

@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterable
 
 from nblaunch.contract import variables
-from nblaunch.facts.cuda import cuda_initialized
-from nblaunch.facts.installed import top_level
+from nblaunch.machine.cuda import cuda_initialized
+from nblaunch.machine.installed import top_level
 from nblaunch.launch.starting.rank_imports import Wanted
 from nblaunch.per_process import per_process
 from nblaunch.environ_watch import EnvironWatch, watched_environ

@@ -13,7 +13,7 @@ Two sources, for one list that the process the ranks are forked from imports fir
   (``wire.IMPORTED``): the next launch of the same function imports them too (a library's lazy
   imports, ``__import__`` of a name the code computes).
 
-Only installed libraries count (``facts/installed``), and nblaunch's own modules: never the
+Only installed libraries count (``machine/installed``), and nblaunch's own modules: never the
 standard library, never code of the user's (it may change between two launches).
 
 Example::
@@ -32,7 +32,7 @@ import sys
 import threading
 import types
 
-from nblaunch.facts.installed import library_folders, top_level
+from nblaunch.machine.installed import library_folders, top_level
 from nblaunch.per_process import per_process
 
 Wanted = tuple[str, tuple[str, ...]]  # a module, and the names a `from ... import` takes from it

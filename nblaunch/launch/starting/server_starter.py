@@ -26,8 +26,8 @@ import sys
 import threading
 import time
 
-from nblaunch.facts.cuda import cuda_initialized
-from nblaunch.facts.installed import top_level
+from nblaunch.machine.cuda import cuda_initialized
+from nblaunch.machine.installed import top_level
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.processes import fdtable
 from nblaunch.launch.processes.packing import Payload, package

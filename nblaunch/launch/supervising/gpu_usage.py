@@ -19,7 +19,7 @@ import ctypes
 
 from nblaunch.events import GpuUsage
 from nblaunch.launch.planning.devices import visible_gpus
-from nblaunch.facts.nvml import Memory, open_nvml
+from nblaunch.machine.nvml import Memory, open_nvml
 
 SAMPLE_EVERY_S = 2.0
 _SUCCESS, _INSUFFICIENT_SIZE = 0, 7

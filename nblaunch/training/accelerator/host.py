@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from nblaunch.training.step.gradient_state import GradientState
     from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
     from nblaunch.training.precision.compiling import CompileStep
-from nblaunch.training.precision.full import Precision
-from nblaunch.training.strategy.interface import Strategy
+from nblaunch.training.precision.precision_interface import Precision
+from nblaunch.training.strategy.strategy_interface import Strategy
 
 __all__ = ["AcceleratorHost"]
 

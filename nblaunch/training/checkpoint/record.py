@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from nblaunch.training.data.prepared import PreparedDataLoader
     from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
-    from nblaunch.training.strategy.interface import Strategy
+    from nblaunch.training.strategy.strategy_interface import Strategy
 
 __all__ = ["Prepared"]
 

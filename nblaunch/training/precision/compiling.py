@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from nblaunch.training.options.dynamo_plugin import TorchDynamoPlugin
-from nblaunch.training.precision.full import Precision
+from nblaunch.training.precision.precision_interface import Precision
 from nblaunch.worker.compile_watch import watch_compiles
 
 __all__ = ["CompileStep", "CompileFailed", "is_compiled", "check_backend"]

@@ -27,7 +27,7 @@ import torch
 
 from nblaunch.contract.precision import FP8_EMULATED_ON_CPU, FP8_HARDWARE
 from nblaunch.training.options.kwargs import AORecipeKwargs
-from nblaunch.training.precision.full import Precision
+from nblaunch.training.precision.precision_interface import Precision
 
 __all__ = ["Float8", "require_torchao", "check_fp8_device", "convert_to_fp8", "accelerates_filter",
            "has_fp8_layers", "rescale_after_step", "gathers_in_fp8", "optimizer_trains"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nblaunch.training.precision.full import Precision
+from nblaunch.training.precision.precision_interface import Precision
 
 __all__ = ["Half"]
 

@@ -25,7 +25,7 @@ from nblaunch.contract.precision import AUTO, BF16_HARDWARE, fast_precision, par
 from nblaunch.training.options.kwargs import AORecipeKwargs
 from nblaunch.training.precision.float8 import Float8
 from nblaunch.training.precision.half import EngineOwned, Half
-from nblaunch.training.precision.full import Precision
+from nblaunch.training.precision.precision_interface import Precision
 
 __all__ = ["resolve_mixed_precision", "check_supported", "pick_precision"]
 

@@ -35,8 +35,8 @@ from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.step.optim import AcceleratedOptimizer
 from nblaunch.training.strategy.deepspeed_wrappers import (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper,
                                                           DeepSpeedSchedulerWrapper)
-from nblaunch.training.strategy.interface import Strategy, deepspeed_tag
-from nblaunch.training.strategy.written import Written
+from nblaunch.training.strategy.strategy_interface import Strategy, deepspeed_tag
+from nblaunch.training.strategy.saved_by_strategy import SavedByStrategy
 
 __all__ = ["DeepSpeedStrategy", "require_deepspeed"]
 
@@ -294,7 +294,7 @@ class DeepSpeedStrategy(Strategy):
                 return {}
             return {name: tensor.detach().clone().cpu() for name, tensor in module.state_dict().items()}
 
-    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> Written:
+    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> SavedByStrategy:
         written = super().save_states(models, optimizers, output_dir, state)
         for i, model in enumerate(models):
             if is_deepspeed_engine(model):
@@ -304,7 +304,7 @@ class DeepSpeedStrategy(Strategy):
         return written
 
     def load_states(self, models: list, optimizers: list, input_dir: str, strict: bool,
-                    state: PartialState) -> Written:
+                    state: PartialState) -> SavedByStrategy:
         written = super().load_states(models, optimizers, input_dir, strict, state)
         for i, model in enumerate(models):
             if is_deepspeed_engine(model):

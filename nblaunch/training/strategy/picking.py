@@ -16,7 +16,7 @@ from nblaunch.training.options.fsdp_plugin import sharding_settings
 from nblaunch.training.options.parallelism import adopt_parallelism_config
 from nblaunch.training.options.kwargs import DistributedDataParallelKwargs
 from nblaunch.training.runtime.state import DistributedType, PartialState
-from nblaunch.training.strategy.interface import Strategy
+from nblaunch.training.strategy.strategy_interface import Strategy
 from nblaunch.training.strategy.replicated import Replicated
 from nblaunch.training.strategy.sharded import Sharded
 

@@ -14,7 +14,7 @@ import torch
 
 from nblaunch.training.model.ddp import wrap_ddp
 from nblaunch.training.options.kwargs import DistributedDataParallelKwargs
-from nblaunch.training.strategy.interface import Strategy
+from nblaunch.training.strategy.strategy_interface import Strategy
 
 __all__ = ["Replicated"]
 

@@ -16,7 +16,7 @@ import torch
 from nblaunch.training.model.fsdp import shard_model
 from nblaunch.training.options.fsdp_plugin import ShardingSettings
 from nblaunch.training.runtime.state import DistributedType, PartialState
-from nblaunch.training.strategy.interface import Strategy
+from nblaunch.training.strategy.strategy_interface import Strategy
 
 __all__ = ["Sharded"]
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from nblaunch.training.model.fsdp import is_sharded, load_sharded_state, sharded_state
-from nblaunch.training.strategy.written import Written
+from nblaunch.training.strategy.saved_by_strategy import SavedByStrategy
 
 __all__ = ["save", "load", "sharded_model_dir", "sharded_optimizer_dir", "optimizer_owners", "owner_of"]
 
@@ -54,10 +54,10 @@ def optimizer_owners(models: list, optimizers: list, spread: Callable = is_shard
     return [owner_of(models, opt.optimizer, spread) for opt in optimizers]
 
 
-def save(models: list, optimizers: list, output_dir: str, spread: Callable = is_sharded) -> Written:
+def save(models: list, optimizers: list, output_dir: str, spread: Callable = is_sharded) -> SavedByStrategy:
     """Every rank writes its shards of the spread models (``spread``: FSDP2's by default, tensor
     parallel ones too) and their optimizers (collectives)."""
-    written = Written()
+    written = SavedByStrategy()
     owners = optimizer_owners(models, optimizers, spread)
     if not any(spread(m) for m in models):
         return written
@@ -74,9 +74,9 @@ def save(models: list, optimizers: list, output_dir: str, spread: Callable = is_
     return written
 
 
-def load(models: list, optimizers: list, input_dir: str, strict: bool, spread: Callable = is_sharded) -> Written:
+def load(models: list, optimizers: list, input_dir: str, strict: bool, spread: Callable = is_sharded) -> SavedByStrategy:
     """Read back what :func:`save` wrote into the same models and optimizers."""
-    written = Written()
+    written = SavedByStrategy()
     owners = optimizer_owners(models, optimizers, spread)
     if not any(spread(m) for m in models):
         return written

@@ -25,8 +25,8 @@ from nblaunch.training.options.fsdp_plugin import ShardingSettings
 from nblaunch.training.options.parallelism import ParallelismConfig
 from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.strategy import sharded_layout
-from nblaunch.training.strategy.interface import Strategy
-from nblaunch.training.strategy.written import Written
+from nblaunch.training.strategy.strategy_interface import Strategy
+from nblaunch.training.strategy.saved_by_strategy import SavedByStrategy
 
 __all__ = ["TensorParallel", "has_dtensor_parameters", "model_plan"]
 
@@ -172,9 +172,9 @@ class TensorParallel(Strategy):
                 whole[name] = value.detach().cpu()
         return whole
 
-    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> Written:
+    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> SavedByStrategy:
         return sharded_layout.save(models, optimizers, output_dir, spread=has_dtensor_parameters)
 
     def load_states(self, models: list, optimizers: list, input_dir: str, strict: bool,
-                    state: PartialState) -> Written:
+                    state: PartialState) -> SavedByStrategy:
         return sharded_layout.load(models, optimizers, input_dir, strict, spread=has_dtensor_parameters)

@@ -1,5 +1,5 @@
 """``notebook_launcher(..., cluster="slurm")``: the ranks live on the nodes of a Slurm
-allocation (a home: ``launch/ranks_home.RanksHome``).
+allocation (a cluster: ``launch/cluster_interface.Cluster``).
 
 Slurm only starts processes: one job step (``srun``, ``cluster/slurm_step``) runs nblaunch's
 agent on every node of the allocation (``cluster/slurm_allocation``: this kernel's, or one srun
@@ -32,7 +32,7 @@ from nblaunch.detached import store
 from nblaunch.detached.kept_launch import KeptLaunch
 from nblaunch.events import Event
 from nblaunch.launch.errors import LaunchConfigError
-from nblaunch.launch.local_home import LaunchJob
+from nblaunch.launch.local_cluster import LaunchJob
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import (
     LaunchPlan,
@@ -47,11 +47,11 @@ from nblaunch.launch.processes.processes import PACKAGE_ROOT
 
 
 
-class SlurmHome:
+class SlurmCluster:
     """The ranks of a launch, one agent per node of a Slurm allocation (see the module's docstring)."""
 
     starts_every_node: ClassVar[bool] = True
-    keeps_warm_ranks: ClassVar[bool] = False
+    detaches_warm_ranks: ClassVar[bool] = False
 
     def __init__(self, request: LaunchRequest) -> None:
         """Check a Slurm launch's request against the allocation; nothing is started yet."""
@@ -98,7 +98,7 @@ class SlurmHome:
         pass  # each node's own launch prepares there
 
     def shared_log_root(self) -> str | None:
-        # The state folder is on the home directory every node shares: the logs of a launch kept
+        # The state folder is on the cluster directory every node shares: the logs of a launch kept
         # by a batch job, or run from a node of the allocation, are read from the login node too.
         return os.path.join(store.state_root(), "logs")
 
@@ -127,7 +127,7 @@ class SlurmHome:
     def keep(self) -> KeptLaunch:
         # The batch job's own allocation is the launch's: inside it, the request asks for nothing more.
         request = dataclasses.replace(self.plan.request, display="none", resources=None, num_nodes=self._shape[0])
-        return submit(LaunchJob(request, SlurmHome), self.allocation, *self._shape,
+        return submit(LaunchJob(request, SlurmCluster), self.allocation, *self._shape,
                       _with_our_root(os.environ.get("PYTHONPATH", "")), function=request.function_name,
                       num_processes=self.plan.world_size)
 

@@ -4,8 +4,8 @@ never pickled: rebuilding it would start CUDA in the process that reads the reco
 
 Example::
 
-    bounded_pickle(ValueError("boom"), 4 << 20)        # bytes
-    bounded_pickle(torch.zeros(10**8), 4 << 20)         # None: too big, never copied whole
+    pickle_within(ValueError("boom"), 4 << 20)        # bytes
+    pickle_within(torch.zeros(10**8), 4 << 20)         # None: too big, never copied whole
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class _BoundedPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def bounded_pickle(obj: Any, limit: int) -> bytes | None:
+def pickle_within(obj: Any, limit: int) -> bytes | None:
     """``obj`` pickled, if it fits in ``limit`` bytes and can be rebuilt; else None. Pickling
     runs the object's own code: whatever that raises, this returns."""
     out = _BoundedBuffer(limit)

@@ -1,8 +1,8 @@
-"""``Written``: which prepared models and optimizers a strategy put in a checkpoint itself.
+"""``SavedByStrategy``: which prepared models and optimizers a strategy put in a checkpoint itself.
 
 Example::
 
-    written = Written(models={0}, optimizers={0})
+    written = SavedByStrategy(models={0}, optimizers={0})
     0 in written.models     # the checkpoint writes no plain weights for model 0
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Written"]
+__all__ = ["SavedByStrategy"]
 
 
 @dataclass
-class Written:
+class SavedByStrategy:
     """Which prepared models and optimizers (by index) a strategy saved or loaded itself; the
     checkpoint writes the others in Accelerate's plain layout."""
 

@@ -1,12 +1,12 @@
-"""This machine as a home: ranks are processes here (fork, spawn, or the XLA host), watched by
+"""This machine as a cluster: ranks are processes here (fork, spawn, or the XLA host), watched by
 the :class:`~nblaunch.launch.supervising.supervisor.Supervisor`; a detached launch is kept by a
 supervisor process of its own here (:class:`LaunchJob`, in a folder of ``detached/store``).
 
 Example::
 
-    home = LocalHome(LaunchRequest(train, num_processes=2))   # checked and planned
-    Launch(home).run()                                        # [result of rank 0, rank 1]
-    DetachedLaunch(LocalHome(request).keep())                 # or: outliving the kernel
+    cluster = LocalCluster(LaunchRequest(train, num_processes=2))   # checked and planned
+    Launch(cluster).run()                                        # [result of rank 0, rank 1]
+    DetachedLaunch(LocalCluster(request).keep())                 # or: outliving the kernel
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
-from nblaunch.launch.ranks_home import RanksHome
+from nblaunch.launch.cluster_interface import Cluster
 from nblaunch.launch.rendezvous import Rendezvous
 from nblaunch.launch.starting import rank_imports
 from nblaunch.launch.starting.choice import starter_for
@@ -42,11 +42,11 @@ from nblaunch.launch.processes.processes import WorkerProcess, kill_and_reap
 from nblaunch.launch.supervising.gpu_usage import GpuSampler
 from nblaunch.launch.supervising.supervisor import Supervisor
 
-class LocalHome:
+class LocalCluster:
     """Ranks as processes of this machine (see the module's docstring)."""
 
     starts_every_node: ClassVar[bool] = False  # several machines: each runs the same call
-    keeps_warm_ranks: ClassVar[bool] = True
+    detaches_warm_ranks: ClassVar[bool] = True
 
     def __init__(self, request: LaunchRequest) -> None:
         self.plan = plan_here(request)
@@ -131,17 +131,17 @@ class LocalHome:
 @dataclasses.dataclass
 class LaunchJob:
     """A detached launch, as its supervisor runs it: the same ``Launch`` as an attached one,
-    planned again there by ``home`` (this machine's: the supervisor never touched CUDA, so its
+    planned again there by ``cluster`` (this machine's: the supervisor never touched CUDA, so its
     ranks fork; a Slurm batch job's: its allocation), with the journal as its display. SIGTERM
     cancels it, SIGUSR1 asks every rank for its stack."""
 
     request: LaunchRequest
-    home: Callable[[LaunchRequest], RanksHome] = LocalHome
+    cluster: Callable[[LaunchRequest], Cluster] = LocalCluster
 
     def run(self, folder: str, stop_requested: threading.Event) -> None:
         try:
             journal = JournalWriter(os.path.join(folder, "journal"))
-            launch = Launch(self.home(dataclasses.replace(self.request, display=journal)))
+            launch = Launch(self.cluster(dataclasses.replace(self.request, display=journal)))
         except BaseException as error:
             store.finish(folder, "failed", ("error", error))
             raise

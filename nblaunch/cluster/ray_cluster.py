@@ -1,5 +1,5 @@
 """``notebook_launcher(..., cluster="ray")``: the ranks live on the nodes of a Ray cluster (a
-home: ``launch/ranks_home.RanksHome``).
+cluster: ``launch/cluster_interface.Cluster``).
 
 Ray only places things: a placement group holds one bundle per node (every node or none), one
 :class:`~nblaunch.cluster.agent.NodeAgent` actor sits in each bundle and runs nblaunch's own
@@ -42,11 +42,11 @@ from nblaunch.launch.planning.plan import (
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.processes.packing import Payload
 
-class RayHome:
+class RayCluster:
     """The ranks of a launch, one agent per Ray node (see the module's docstring)."""
 
     starts_every_node: ClassVar[bool] = True
-    keeps_warm_ranks: ClassVar[bool] = False  # a detached actor keeps launches; warm ranks not yet
+    detaches_warm_ranks: ClassVar[bool] = False  # a detached actor keeps launches; warm ranks not yet
 
     def __init__(self, request: LaunchRequest) -> None:
         """Check a Ray launch's request, then the cluster; nothing is placed yet."""

@@ -1,16 +1,16 @@
-"""What a home implements: the one seam between a launch and the processes it runs.
+"""What a cluster implements: the one seam between a launch and the processes it runs.
 
-A *home* is where a launch's ranks live: this machine (``launch/local_home.LocalHome``), the
-nodes of a Ray cluster (``cluster/ray_home.RayHome``). ``nblaunch.homes`` picks one by the
-request's ``cluster`` (its one reader); a new home is one module implementing
-:class:`RanksHome` and one line there. The :class:`~nblaunch.launch.handle.Launch` (display,
-logs, restarts, the timeout budget, the ``block=False`` handle) is the same whatever the home.
+A *cluster* is where a launch's ranks live: this machine (``launch/local_cluster.LocalCluster``), the
+nodes of a Ray cluster (``cluster/ray_cluster.RayCluster``). ``nblaunch.clusters`` picks one by the
+request's ``cluster`` (its one reader); a new cluster is one module implementing
+:class:`Cluster` and one line there. The :class:`~nblaunch.launch.handle.Launch` (display,
+logs, restarts, the timeout budget, the ``block=False`` handle) is the same whatever the cluster.
 
-Example (what a Launch does with its home)::
+Example (what a Launch does with its cluster)::
 
-    home = LocalHome(request)                 # checked, planned; nothing started
-    home.prepare(launch_id)                   # on the caller's thread
-    with home.attempt(home.plan, emit, time_left, log_dir) as watcher:
+    cluster = LocalCluster(request)              # checked, planned; nothing started
+    cluster.prepare(launch_id)                # on the caller's thread
+    with cluster.attempt(cluster.plan, emit, time_left, log_dir) as watcher:
         results = watcher.run()               # every rank watched to its end
 """
 
@@ -38,18 +38,18 @@ class RankWatcher(Protocol):
     def send_to_ranks(self, kind: bytes, body: bytes = b"", shared: Payload | None = None) -> None: ...
 
 
-class RanksHome(Protocol):
+class Cluster(Protocol):
     """Where the ranks of a launch run."""
 
-    # True: the home places every node's ranks itself (Ray); False: it runs this machine's ranks,
+    # True: the cluster places every node's ranks itself (Ray); False: it runs this machine's ranks,
     # and each other node runs the same call (num_nodes, node_rank).
     starts_every_node: ClassVar[bool]
     # True: WarmRanks(detach=True) may keep warm ranks for it under a supervisor on this machine.
-    keeps_warm_ranks: ClassVar[bool]
-    plan: LaunchPlan  # made from the request when the home is made
+    detaches_warm_ranks: ClassVar[bool]
+    plan: LaunchPlan  # made from the request when the cluster is made
 
     def __init__(self, request: LaunchRequest) -> None:
-        """Check ``request`` for this home and make its ``plan``; nothing is started or placed.
+        """Check ``request`` for this cluster and make its ``plan``; nothing is started or placed.
         Raises LaunchConfigError, saying what to change."""
 
     def prepare(self, launch_id: str) -> None:
@@ -65,7 +65,7 @@ class RanksHome(Protocol):
 
     def attempt(self, plan: LaunchPlan, emit: Callable[[Event], None], time_left: float | None,
                 log_dir: str) -> ContextManager[RankWatcher]:
-        """Start every rank of ``plan`` (the home's plan, or a restart's); on leaving, nothing of
+        """Start every rank of ``plan`` (the cluster's plan, or a restart's); on leaving, nothing of
         the attempt is left running."""
 
     def keep(self) -> KeptLaunch:
@@ -74,5 +74,5 @@ class RanksHome(Protocol):
 
     @staticmethod
     def kept(kinds: tuple[str, ...]) -> list[KeptLaunch]:
-        """The detached launches (``"launch"``) or warm ranks (``"pool"``) this kind of home
-        keeps, oldest first: ``launches()`` and ``attach()`` look in every home."""
+        """The detached launches (``"launch"``) or warm ranks (``"pool"``) this kind of cluster
+        keeps, oldest first: ``launches()`` and ``attach()`` look in every cluster."""

@@ -19,9 +19,9 @@ from nblaunch.training.model.fsdp import full_state_dict, is_sharded, total_norm
 from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.strategy import sharded_layout
-from nblaunch.training.strategy.written import Written
+from nblaunch.training.strategy.saved_by_strategy import SavedByStrategy
 
-__all__ = ["Strategy", "Written", "deepspeed_tag"]
+__all__ = ["Strategy", "SavedByStrategy", "deepspeed_tag"]
 
 
 class Strategy:
@@ -99,13 +99,13 @@ class Strategy:
         every rank); None: the unwrapped model's own ``state_dict`` is whole."""
         return full_state_dict(model) if is_sharded(model) else None
 
-    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> Written:
+    def save_states(self, models: list, optimizers: list, output_dir: str, state: PartialState) -> SavedByStrategy:
         """Write the models and optimizers that are spread, on every rank; a model that someone
         sharded with ``fully_shard`` is written sharded whatever the strategy."""
         return sharded_layout.save(models, optimizers, output_dir)
 
     def load_states(self, models: list, optimizers: list, input_dir: str, strict: bool,
-                    state: PartialState) -> Written:
+                    state: PartialState) -> SavedByStrategy:
         """Read back what :meth:`save_states` wrote."""
         return sharded_layout.load(models, optimizers, input_dir, strict)
 
