@@ -21,12 +21,13 @@ class NoDisplay:
         pass
 
 
-def make_display(choice: str | Display, num_processes: int) -> Display:
+def make_display(choice: str | Display, num_processes: int, build_after_s: float | None = None) -> Display:
     """The display for ``notebook_launcher(display=...)``: a name, or any object with
     ``on_event`` and ``close`` (useful to record events in tests).
 
     "auto" is the widget dashboard in a kernel whose frontend can show widgets, text elsewhere.
     Call it on the launching cell's thread: a widget shows itself where it is made.
+    ``build_after_s``: the dashboard of a call on warm ranks, made only if the call runs that long.
     """
     if not isinstance(choice, str):
         return choice
@@ -37,7 +38,7 @@ def make_display(choice: str | Display, num_processes: int) -> Display:
         from nblaunch.display.widget import WidgetDisplay, widgets_available
 
         if choice == "widget" or widgets_available():
-            return WidgetDisplay(num_processes=num_processes)
+            return WidgetDisplay(num_processes=num_processes, build_after_s=build_after_s)
     return TextDisplay()
 
 

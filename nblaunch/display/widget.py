@@ -30,6 +30,7 @@ Example (what ``notebook_launcher(..., display="widget")`` does)::
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import logging
 import os
@@ -44,6 +45,7 @@ from nblaunch.display.summary import summary_html
 from nblaunch.events import Event, LaunchFinished, LaunchStarted, RankStarted
 
 log = logging.getLogger(__name__)
+_STARTING = '<div class="nblaunch-starting" style="font-family: sans-serif; color: #6b7280">nblaunch: running…</div>'
 
 
 def widgets_available() -> bool:
@@ -79,6 +81,10 @@ class WidgetDisplay:
         max_points: points kept per metric and rank (thinned evenly beyond that).
         refresh_s: shortest time between two redraws.
         show: display the widget now, in the current cell (False for tests that only inspect).
+        build_after_s: a call on warm ranks: the cell shows one line at first, and the widgets
+            are made only if the call is still running after this long (a quick cell's
+            dashboard would be replaced by its summary within milliseconds; making it cost
+            such a cell half its time). None: made at once.
 
     Example::
 
@@ -94,17 +100,38 @@ class WidgetDisplay:
         max_points: int = 1000,
         refresh_s: float = 0.1,
         show: bool = True,
+        build_after_s: float | None = None,
     ) -> None:
-        import ipywidgets as w
-
-        self._widgets = w
         self._view = LaunchView(max_lines=max_lines, max_points=max_points)
         self._lock = threading.Lock()  # the launch thread writes the view, the timer reads it
         self._refresh_s = refresh_s
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._closed = False
+        self._num_processes = num_processes
+        self._on_stop: Any = None
+        self._on_stacks: Any = None
+        self.widget: Any = None  # the ipywidgets.VBox, once made
+        self.summary_html = ""  # the static summary, once the launch is over
+        self._summary_handle: Any = None
+        self._build_at = None if build_after_s is None else time.monotonic() + build_after_s
+        self._context = contextvars.copy_context()  # the cell's: widgets made later are routed to it
+        if self._build_at is None:
+            self._build()
+        if show:
+            from IPython.display import HTML, display
 
+            # With a display id, on the cell's thread: at the end the summary replaces the
+            # widget in place (from any thread), so the cell keeps one view and a saved notebook
+            # holds no widget it cannot draw once the kernel is gone.
+            shown = _view_bundle(self.widget) if self.widget is not None else HTML(_STARTING)
+            self._summary_handle = display(shown, raw=self.widget is not None, display_id=True)
+
+    def _build(self) -> None:
+        """Make the widgets and draw them (on the cell's thread, or later in its context)."""
+        import ipywidgets as w
+
+        self._widgets = w
         self.header = w.HTML(layout=w.Layout(flex="1 1 auto"))
         # Shown only for non-blocking launches: while a cell blocks, the kernel cannot hear a click
         # (a blocking launch shows the stacks by itself when every rank goes quiet).
@@ -117,8 +144,6 @@ class WidgetDisplay:
             description="Stop", icon="stop", button_style="danger", tooltip="show every rank's stack, then stop all ranks",
             layout=w.Layout(**button),
         )
-        self._on_stop: Any = None
-        self._on_stacks: Any = None
         self.stop_button.on_click(self._stop_clicked)
         self.stacks_button.on_click(self._stacks_clicked)
         self.ranks = w.HTML()
@@ -133,25 +158,32 @@ class WidgetDisplay:
             layout=w.Layout(width="100%", padding="4px 0"),
         )
         self.widget.add_class("nblaunch-dashboard")
-        self.summary_html = ""  # the static summary, once the launch is over
-        self._summary_handle: Any = None
-        if num_processes is not None:
-            self._build_log_tabs(list(range(num_processes)))
-        self._redraw(set(), time.monotonic())
-        if show:
-            from IPython.display import display
+        with self._lock:
+            ranks = list(self._view.ranks) if self._view.plan is not None else None
+        if ranks is not None or self._num_processes is not None:
+            self._build_log_tabs(ranks if ranks is not None else list(range(self._num_processes)))
+        self._show_buttons()
+        every = {HEADER, RANKS, METRICS, STACKS, MERGED_LOG} | {rank_log(r) for r in ranks or []}
+        self._redraw(every if ranks is not None else set(), time.monotonic())
 
-            # With a display id, on the cell's thread: at the end the summary replaces the
-            # widget in place (from any thread), so the cell keeps one view and a saved notebook
-            # holds no widget it cannot draw once the kernel is gone.
-            self._summary_handle = display(_view_bundle(self.widget), raw=True, display_id=True)
+    def _build_late(self) -> None:
+        """The call still runs: make the dashboard now, and show it in the line's place."""
+        self._build_at = None
+        self._context.run(self._build)
+        if self._summary_handle is not None:
+            self._summary_handle.update(_view_bundle(self.widget), raw=True)
 
     def set_stop_handler(self, stop: Any, stacks: Any = None) -> None:
         """Show the Stop button, and the Stacks button when ``stacks`` is given; clicking them
         calls ``stop()`` (a non-blocking launch's cancel) or ``stacks()`` (ask, do not stop)."""
         self._on_stop, self._on_stacks = stop, stacks
+        self._show_buttons()
+
+    def _show_buttons(self) -> None:
+        if self.widget is None or self._on_stop is None:
+            return
         self.stop_button.layout.display = None
-        if stacks is not None:
+        if self._on_stacks is not None:
             self.stacks_button.layout.display = None
 
     def _stop_clicked(self, _button: Any) -> None:
@@ -171,7 +203,7 @@ class WidgetDisplay:
         now = time.monotonic()
         with self._lock:
             self._view.apply(event, now)
-        if isinstance(event, LaunchStarted):
+        if isinstance(event, LaunchStarted) and self.widget is not None:
             with self._lock:
                 ranks = list(self._view.ranks)
             self._build_log_tabs(ranks)
@@ -211,6 +243,10 @@ class WidgetDisplay:
     def _tick(self) -> None:
         while not self._stop.wait(self._refresh_s):
             try:
+                if self._build_at is not None:
+                    if time.monotonic() >= self._build_at:
+                        self._build_late()
+                    continue
                 self._redraw(None, time.monotonic())
             except Exception:  # a drawing bug must not take the launch down with it
                 log.exception("nblaunch: the launch dashboard stopped updating")
@@ -222,6 +258,8 @@ class WidgetDisplay:
         HTML is rendered under the lock, widgets are updated outside it; a widget whose value
         did not change sends nothing.
         """
+        if self.widget is None:
+            return  # not made (yet): the view keeps everything for when it is, or for the summary
         with self._lock:
             view = self._view
             if parts is None:
@@ -249,10 +287,11 @@ class WidgetDisplay:
         if self._closed:
             return
         self._closed = True
-        self.stop_button.layout.display = self.stacks_button.layout.display = "none"
         self._stop.set()
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.join()
+        if self.widget is not None:
+            self.stop_button.layout.display = self.stacks_button.layout.display = "none"
         now = time.monotonic()
         self._redraw({HEADER, RANKS, METRICS, MERGED_LOG} | {rank_log(r) for r in self._view.ranks}, now)
         with self._lock:
@@ -264,8 +303,9 @@ class WidgetDisplay:
 
             self._summary_handle.update(HTML(self.summary_html))
             # The view is gone from the cell: its models need not outlive it in the kernel.
-            for widget in [self.widget, *self.widget.children, self.header, self.stop_button,
-                           self.stacks_button, *self.log_panes.values()]:
+            for widget in ([] if self.widget is None else [self.widget, *self.widget.children, self.header,
+                                                           self.stop_button, self.stacks_button,
+                                                           *self.log_panes.values()]):
                 widget.close()
 
 

@@ -31,6 +31,7 @@ from nblaunch.events import Display
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
+from nblaunch.warm.call_router import CALL_DASHBOARD_AFTER_S
 
 __all__ = ["DetachedWarmRanks", "Relay"]
 
@@ -112,7 +113,8 @@ class DetachedWarmRanks:
         pickling.check_picklable(function, args)  # names the culprit, before anything is sent
         ipython_errors.install()
         connection = self._when_ready()
-        shown = make_display(self._display if display is None else display, self.num_processes)
+        shown = make_display(self._display if display is None else display, self.num_processes,
+                             build_after_s=CALL_DASHBOARD_AFTER_S)
         try:
             call_socket.send(connection, ("run", function, args, timeout))
             kind, value = self._answer(connection, shown)

@@ -38,7 +38,7 @@ from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.processes import fdtable
 from nblaunch.launch.processes.packing import Payload
 from nblaunch.warm.call_outcome import finish_call, raise_how_the_pool_ended, show_start
-from nblaunch.warm.call_router import CallRouter, CallTimedOut
+from nblaunch.warm.call_router import CALL_DASHBOARD_AFTER_S, CallRouter, CallTimedOut
 from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
 from nblaunch.warm.pool_request import pool_cluster, pool_request
 from nblaunch.warm.settling import Presses, Settling
@@ -212,7 +212,9 @@ class WarmRanks:
         try:
             launch, router = self._ensure_started()
             call = router.begin(call_id, self._num_ranks)
-            shown = make_display(display, self._num_ranks)  # on the cell's thread: shows in this cell
+            # On the cell's thread: shows in this cell. A quick call shows its summary, and no
+            # dashboard is made for it (see CALL_DASHBOARD_AFTER_S).
+            shown = make_display(display, self._num_ranks, build_after_s=CALL_DASHBOARD_AFTER_S)
             settling = Settling(launch, call)
             try:
                 started = launch.reset_clock()
