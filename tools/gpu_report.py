@@ -1,5 +1,6 @@
 """The GPU lane's report (tools/gpu_lane.sh): the machine, the versions, each numbered item of issue
-31 (and item 8, issue 44's warm start) with its tests' outcomes and numbers, and the benchmark table.
+31 (and item 8, issues 44 and 60: ranks begin with their imports) with its tests' outcomes and numbers, and
+the benchmark table.
 
 ``python tools/gpu_report.py versions OUT`` writes OUT/versions.json (no CUDA is initialised: the
 GPU is named by nvidia-smi and NVML); ``python tools/gpu_report.py report OUT`` reads it, OUT/junit.xml
@@ -30,9 +31,10 @@ ITEMS = {
     5: "A tiny transformers.Trainer on the GPU under notebook_launcher, mixed_precision='bf16' reaching it",
     6: "2 ranks on one GPU refused clearly; CPU ranks (cpu=True) on a GPU machine with gloo, CUDA untouched",
     7: "Stretch: DeepSpeed ZeRO-2, fp8 through torchao",
-    8: "Issue 44, a warm start: the launch server up before the first launch; later launches claim a rank "
-       "waiting with CUDA and the libraries ready; GPU memory freed and mixed precision changed between "
-       "launches; the waiting rank makes room for the kernel; a library that starts CUDA never loaded ahead",
+    8: "Issues 44 and 60, ranks begin with their imports: the launch server up before the first launch; the "
+       "first launch's rank finds what the function imports loaded, and every later one; GPU memory freed and "
+       "mixed precision changed between launches; a library that starts CUDA never imported where ranks are "
+       "forked from (the server replaced without it, a CUDA-clean kernel untouched)",
 }
 
 
