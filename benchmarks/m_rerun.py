@@ -1,5 +1,6 @@
-"""12. Re-running a cell (issue 44): a later launch of a training function that imports
-scikit-learn inside and builds a small CNN and AdamW, 2 s after the launch before it.
+"""12. Re-running a cell (issues 44, 60): a later launch of a training function that imports
+scikit-learn inside and trains a small CNN with DDP and AdamW for 8 steps, 2 s after the launch
+before it.
 
 Each sample is a fresh Jupyter kernel (nbclient): its first cell imports torch and the launcher,
 the next launches the function once (not timed), then it is launched twice more, each in a cell
@@ -28,19 +29,34 @@ IMPLS = {"nblaunch fork": ("nblaunch", None), "nblaunch server": ("nblaunch", "s
 
 
 def small_cnn_step() -> float:
-    """The function each rank runs: scikit-learn's digits, a small CNN, one AdamW step."""
+    """The function each rank runs (issue 60's): scikit-learn's digits imported inside, a small
+    CNN under DDP (its own gloo group where the launcher made none), AdamW, 8 steps. Where
+    ``NBLAUNCH_BENCH_ENDS`` names a folder, each rank writes there when it returned (wall clock):
+    every launcher's ranks report their end the same way."""
     started = time.perf_counter()
     from sklearn.datasets import load_digits
     import torch
+    import torch.distributed as dist
 
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     digits = load_digits()
-    images = torch.tensor(digits.images[:64], dtype=torch.float32)[:, None] / 16
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                                torch.nn.Linear(8 * 6 * 6, 10))
+    images = torch.tensor(digits.images[:256], dtype=torch.float32)[:, None] / 16
+    labels = torch.tensor(digits.target[:256])
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = torch.nn.functional.cross_entropy(model(images), torch.tensor(digits.target[:64]))
-    loss.backward()
-    optimizer.step()
+    for step in range(8):
+        batch = slice(32 * step, 32 * step + 32)
+        loss = torch.nn.functional.cross_entropy(model(images[batch]), labels[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ends = os.environ.get("NBLAUNCH_BENCH_ENDS")
+    if ends:
+        with open(os.path.join(ends, f"{os.getpid()}.tmp"), "w") as end:
+            end.write(repr(time.time()))
+        os.replace(end.name, end.name[:-len(".tmp")])
     return time.perf_counter() - started
 
 
@@ -56,7 +72,9 @@ def _cells(name: str) -> list[str]:
     setup = (f"import sys, time, json\nsys.path.insert(0, {ROOT!r})\nimport torch\n"
              f"from benchmarks.m_rerun import small_cnn_step, returns_at_once\n"
              f"from benchmarks.workloads import run_launch\n" + ("import nblaunch\n" if impl == "nblaunch" else ""))
-    if name == "in the calling process":
+    if name == "in the calling process":  # a group of one, for the function's own init_process_group
+        setup += ("import os\nfrom benchmarks.common import free_port\n"
+                  "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), RANK='0', WORLD_SIZE='1')\n")
         launch = "small_cnn_step()"
     else:
         launch = f"run_launch({impl!r}, {function}{options})"
@@ -94,8 +112,8 @@ def run(quick: bool = False, size: str | None = None) -> dict:
     done = interleave(rounds, {name: (lambda name=name: _fresh(name)) for name in names})
     notes = [f"{name}: {len(errors)} failed: {errors[0]}" for name, errors in done["_errors"].items()]
     rows = []
-    for which, label in ((0, "the second launch of a function that imports scikit-learn and steps a small CNN with "
-                             "AdamW, 2 s after the first"), (1, "the same, the third, 2 s after the second")):
+    for which, label in ((0, "the second launch of a function that imports scikit-learn and trains a small CNN "
+                             "(DDP, AdamW, 8 steps), 2 s after the first"), (1, "the same, the third, 2 s after the second")):
         samples = {name: [sample["later_s"][which] if sample and len(sample["later_s"]) > which else None
                           for sample in done[name]] for name in names}
         for name in names:

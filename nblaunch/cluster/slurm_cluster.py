@@ -98,7 +98,7 @@ class SlurmCluster:
         pass  # each node's own launch prepares there
 
     def shared_log_root(self) -> str | None:
-        # The state folder is on the cluster directory every node shares: the logs of a launch kept
+        # The state folder is on the home directory every node shares: the logs of a launch kept
         # by a batch job, or run from a node of the allocation, are read from the login node too.
         return os.path.join(store.state_root(), "logs")
 

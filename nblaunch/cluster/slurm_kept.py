@@ -1,6 +1,6 @@
 """Detached launches on Slurm (``detach=True``): the launch runs as a Slurm batch job of its own.
 
-The kernel writes the launch's folder in its state folder (``detached/store``: under the cluster
+The kernel writes the launch's folder in its state folder (``detached/store``: under the home
 directory, which a cluster's nodes share) and submits ``sbatch`` for the nodes the launch needs;
 the batch script is nblaunch's supervisor (``detached/daemon --here``), which runs the same
 ``LaunchJob`` as a local detached launch, with ``SlurmCluster``, inside that job's allocation. The

@@ -147,6 +147,7 @@ MISBEHAVING = {
     "raises": "import os\nif 'RANK' not in os.environ: raise RuntimeError('only in a rank')\nVALUE = 1\n",
     "starts a thread": ("import os, threading\nif 'RANK' not in os.environ:\n"
                         "    threading.Thread(target=threading.Event().wait, daemon=True).start()\nVALUE = 1\n"),
+    "calls sys.exit": "import os, sys\nif 'RANK' not in os.environ: sys.exit(3)\nVALUE = 1\n",
 }
 
 
@@ -165,7 +166,9 @@ def test_a_library_that_cannot_be_imported_first_is_left_to_the_ranks_with_one_l
     where = "here" if method is None else "in the launch server"
     line = f"nblaunch: could not import {package} {where} for the ranks"
     assert before.count(line) == 1 and line not in after, stderr  # said once, at the launch that tried
-    assert ("raised RuntimeError: only in a rank" if how == "raises" else "starts threads") in before
+    why = {"raises": "raised RuntimeError: only in a rank", "starts a thread": "starts threads",
+           "calls sys.exit": "raised SystemExit: 3"}[how]
+    assert why in before
 
 
 HANGS = """
@@ -323,3 +326,29 @@ def test_where_a_gpu_is_visible_this_process_imports_only_torchs_and_nblaunchs_m
     env = {**stand_in_library(tmp_path, "libnvidia-ml.so.1", FAKE_NVML), "FAKE_NVML_GPUS": "1"}
     found, _ = run_child(GPU_VISIBLE.format(package=package), tmp_path, env)
     assert found == {"values": [5], "package": False, "dynamo": True}
+
+
+@pytest.mark.slow
+def test_a_library_whose_import_ends_the_launch_server_is_left_to_the_ranks(installed, tmp_path):
+    """A crash in a library's C code where it is imported first (here: it ends its process) costs
+    that launch a new server, and the library is never imported there again."""
+    package = installed.package("import os\nif 'RANK' not in os.environ: os._exit(1)\nVALUE = 1\n")
+    [said], stderr = run(BAD_DAY, setup=f"PACKAGE, METHOD = {package!r}, 'spawn'", cwd=str(tmp_path))
+    assert said["values"] == [1, 1, 1]
+    assert "ended the launch server" in said["refused"].get(package, ""), said
+
+
+def test_code_that_cannot_be_read_is_launched_as_it_is(tmp_path):
+    """A global that answers every attribute (a mock) is skipped by the reading, never the launch's failure."""
+    from unittest import mock
+
+    from nblaunch import notebook_launcher
+    from nblaunch.launch.starting.rank_imports import wanted
+
+    anything = mock.MagicMock()
+
+    def uses_a_mock():
+        return anything.__class__.__name__
+
+    assert wanted(uses_a_mock) == [] or isinstance(wanted(uses_a_mock), list)
+    assert notebook_launcher(uses_a_mock, num_processes=1, display="none") == ["MagicMock"]

@@ -164,3 +164,23 @@ def test_reading_is_bounded_for_code_that_reaches_a_lot_of_code():
         scope[f"f{i}"].__module__ = "__main__"
     assert names(scope["f0"]) == ["sklearn.cluster"]  # read up to the bound, then stopped
     assert rank_imports._MOST_CODE < 1000
+
+
+def imports_on_some_paths(optional):
+    try:
+        import sklearn.svm  # every run tries it
+    except ImportError:
+        import sklearn.cluster  # only when that failed
+    for _ in range(2):
+        import sklearn.linear_model  # a loop's body runs
+    if optional:
+        import sklearn.neighbors  # only sometimes
+    else:
+        import sklearn.ensemble
+    return sklearn
+
+
+def test_what_only_some_runs_import_is_left_to_be_learned():
+    found = names(imports_on_some_paths)
+    assert "sklearn.svm" in found and "sklearn.linear_model" in found
+    assert not {"sklearn.cluster", "sklearn.neighbors", "sklearn.ensemble"} & set(found)

@@ -97,14 +97,14 @@ def judge(modules: list[Wanted], *, strict: bool) -> Judged:
     with watched_environ() as environ:
         try:
             importlib.import_module(top_level(modules[0][0]))
-        except Exception as error:  # noqa: BLE001  whatever it raised, the ranks meet it themselves
+        except BaseException as error:  # noqa: BLE001  a sys.exit() at import too: the ranks meet it themselves
             return Judged(f"raised {type(error).__name__}: {error}"[:_SAID_AT_MOST], environ, [])
         for name, names in modules:
             try:
                 module = importlib.import_module(name)
                 for attribute in names:
                     _take(module, attribute)
-            except Exception:  # noqa: BLE001  see the docstring
+            except BaseException:  # noqa: BLE001  see the docstring
                 failed.append(name)
     verdict = OK
     read = sorted(environ.read & RANK_VARIABLES)

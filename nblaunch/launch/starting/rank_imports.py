@@ -4,10 +4,11 @@ Two sources, for one list that the process the ranks are forked from imports fir
 
 - **The code.** The import statements of the launched function and of the user's own code it
   reaches (functions and classes of the notebook or of the user's modules, through its globals,
-  closures and arguments), read from the bytecode; the modules of the libraries' objects it
+  closures and arguments), read from the bytecode, on the paths every run takes (an import under
+  an ``if`` may never run: a library the user's code imports only sometimes is learned instead); the modules of the libraries' objects it
   names (``load_digits`` is ``sklearn.datasets._base``'s); and ``torch._dynamo`` where the code
-  trains (it names torch's optimizers, ``torch.compile`` or a trainer), which building an
-  optimizer imports. Nothing is run or imported to find them: a module's lazy attributes are not
+  trains (it names torch's optimizers or ``torch.compile``), which building an optimizer imports
+  (a trainer that builds its own, as ``transformers.Trainer`` does, is learned from its ranks). Nothing is run or imported to find them: a module's lazy attributes are not
   asked for.
 - **What earlier ranks said.** At its end each rank tells which installed libraries it imported
   (``wire.IMPORTED``): the next launch of the same function imports them too (a library's lazy
@@ -37,9 +38,9 @@ from nblaunch.per_process import per_process
 
 Wanted = tuple[str, tuple[str, ...]]  # a module, and the names a `from ... import` takes from it
 TRAINS = "torch._dynamo"  # what building a first optimizer imports: about a second per process
-# Names that mean the code trains: torch.optim (its optimizers), a trainer (torch.compile is
-# found by what the name is).
-_TRAINING_NAMES = frozenset({"optim", "Optimizer", "Accelerator", "Trainer", "Fabric"})
+# Names that mean the code builds an optimizer: torch.optim's (torch.compile is found by what the
+# name is). Not a trainer's class: making an Accelerator imports no torch._dynamo by itself.
+_TRAINING_NAMES = frozenset({"optim", "Optimizer"})
 _MOST_CODE = 200  # code objects read per launch: a notebook's helpers, not a library's depths
 # The notebook's own machinery, in the kernel but no rank's business: never imported for the
 # ranks (a rank forked from a kernel may import some of it as it writes output).
@@ -54,10 +55,14 @@ _KERNEL_MACHINERY = frozenset({
 
 
 def wanted(function: object, args: tuple = ()) -> list[Wanted]:
-    """What the ranks of a launch of ``function(*args)`` will import, in order (see the module)."""
+    """What the ranks of a launch of ``function(*args)`` will import, in order (see the module).
+    Never raises: code it cannot read (an object that answers every attribute, say) adds nothing."""
     places = _Places()
     reader = _CodeReader(places)
-    reader.read(function, args)
+    try:
+        reader.read(function, args)
+    except Exception:  # noqa: BLE001  what was read so far stands; the ranks import the rest themselves
+        pass
     listed: dict[str, tuple[str, ...]] = {}
     for name, names in reader.modules:
         listed[name] = tuple(dict.fromkeys(listed.get(name, ()) + names))
@@ -168,7 +173,10 @@ class _CodeReader:
     def read(self, function: object, args: tuple) -> None:
         self._todo = [function, *args]
         while self._todo and self._read < _MOST_CODE:
-            self._follow(self._todo.pop(0))
+            try:
+                self._follow(self._todo.pop(0))
+            except Exception:  # noqa: BLE001  a value that resists reading (a proxy, a mock) is skipped
+                continue
 
     def _follow(self, value: object) -> None:
         """Read ``value`` if it is code of the user's; note the library it comes from otherwise."""
@@ -227,13 +235,16 @@ class _CodeReader:
         statement = _ImportStatement()
         held: object = None  # what the instructions so far point at (a chain of attributes)
         before: list[tuple[str, object]] = []  # the two instructions before this one
-        for instruction in dis.get_instructions(code):
+        instructions = list(dis.get_instructions(code))
+        maybe = _conditional(instructions)
+        for instruction in instructions:
             op, arg = instruction.opname, instruction.argval
             if op == "IMPORT_NAME":
                 loaded = [o for o, _ in before] == ["LOAD_CONST", "LOAD_CONST"]
                 level, names = (before[0][1], before[1][1]) if loaded else (0, None)
                 if level == 0 and isinstance(arg, str):
-                    self.modules.append((arg, tuple(names or ())))
+                    if instruction.offset not in maybe:
+                        self.modules.append((arg, tuple(names or ())))
                     statement.begin(arg, names)
                 held = None
             elif statement.going and op == "IMPORT_FROM":
@@ -252,11 +263,22 @@ class _CodeReader:
                     held = _static_attribute(held, arg)
                 else:
                     held = None
-                if held is not None and not isinstance(held, str):
+                if held is not None and not isinstance(held, str) and instruction.offset not in maybe:
                     self._follow(held)
                 if op == "LOAD_CONST" and isinstance(arg, types.CodeType):  # a nested function, class body
                     self._read_code(arg, globals_, {})
             before = (before + [(op, arg)])[-2:]
+
+
+def _conditional(instructions: list[dis.Instruction]) -> set[int]:
+    """The offsets of the instructions that run only on some paths: an ``if``'s body (past a
+    forward conditional jump, up to its target) and its ``else`` (past the forward jump over it),
+    an ``except`` clause. A loop's body counts as run (it usually is), and so does what follows an
+    ``if`` that returns: the code after it is the function's usual path."""
+    regions = [(i.offset, i.argval) for i in instructions
+               if isinstance(i.argval, int) and i.argval > i.offset
+               and (("JUMP" in i.opname and "IF" in i.opname) or i.opname == "JUMP_FORWARD")]
+    return {i.offset for i in instructions if any(start < i.offset < end for start, end in regions)}
 
 
 class _ImportStatement:

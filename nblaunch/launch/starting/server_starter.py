@@ -108,6 +108,8 @@ def ready_server(wanted: list[rank_imports.Wanted]) -> tuple[LaunchServer, list[
             lost = error
             if error.hung is not None:
                 refused.refuse(error.hung, f"its import did not finish within {PACKAGE_HANGS_S:g} s")
+            elif server.loading is not None:  # it died importing it (a crash in a library's C code)
+                refused.refuse(server.loading[0], f"its import ended the launch server ({server.why_dead()})")
             continue
         for name, verdict in verdicts.items():
             if verdict != OK:

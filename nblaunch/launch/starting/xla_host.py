@@ -10,7 +10,8 @@ import cloudpickle
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.processes.processes import Pipes, WorkerProcess, fork_process
 from nblaunch.launch.starting.base import Starter
-from nblaunch.launch.starting.preload import Preloaded, preload_here
+from nblaunch.launch.starting import rank_imports
+from nblaunch.launch.starting.preload import Preloaded, preload_here, preloading
 from nblaunch.worker.xla_ranks import RankEnds, run_host
 
 # About 3 s per launch otherwise; importing does not start the XLA runtime.
@@ -24,7 +25,9 @@ class XlaHostStarter(Starter):
         self._preloaded = Preloaded({})
 
     def prepare(self, plan: LaunchPlan) -> str:
-        self._preloaded = preload_here().preload([XLA_LAUNCHER])  # the host is forked from here
+        # The host is forked from here: it and its ranks begin with what is imported now.
+        wanted = rank_imports.wanted(plan.request.function, plan.request.args) if preloading() else []
+        self._preloaded = preload_here().preload([XLA_LAUNCHER, *wanted])
         return self._preloaded.said
 
     def start(self, plan: LaunchPlan, environ: dict[str, str]) -> list[WorkerProcess]:
