@@ -3,9 +3,8 @@
 The pool is a launch like any other (same plan, lifelines, logs, stacks, teardown); the
 function its ranks run is a loop that serves calls (``nblaunch.worker.calls``). A call goes to
 every rank as one frame on its control pipe and comes back as one ``CALL_RESULT`` per rank.
-A call's end keeps the processes, their process group and whatever the functions stored in them,
-whether it returned, raised (as a notebook cell's error) or was interrupted (``settling`` brings
-every rank back to its call loop first). Ranks that can no longer run together (one died, or
+A call's end keeps the processes, their group and what the functions stored in them, whether it
+returned, raised (a cell's error) or was interrupted (``settling`` brings every rank back first). Ranks that can no longer run together (one died, or
 stays stuck), and a timeout, end the pool as a launch ends (stacks, every rank stopped and
 reaped); the next call starts a fresh pool and says so in one line.
 """
@@ -88,8 +87,8 @@ class WarmRanks:
         if not cluster_class(request).detaches_warm_ranks:
             raise LaunchConfigError(f"detach=True keeps warm ranks on this machine: leave cluster={cluster!r} out "
                                     "(detached warm ranks on a cluster are not supported yet)")
-        pooled = pool_cluster(request)  # bad input is refused here; it starts nothing
-        return DetachedWarmRanks.start(PoolJob(request), pooled.plan.num_processes, display)
+        num_processes = pool_cluster(request).plan.num_processes  # bad input is refused here; nothing starts
+        return DetachedWarmRanks.start(PoolJob(request), num_processes, display)
 
     @classmethod
     def attach(cls, launch_id: str | None = None, display: str | Display = "auto") -> DetachedWarmRanks:
@@ -212,8 +211,7 @@ class WarmRanks:
         try:
             launch, router = self._ensure_started()
             call = router.begin(call_id, self._num_ranks)
-            # On the cell's thread: shows in this cell. A quick call shows its summary, and no
-            # dashboard is made for it (see CALL_DASHBOARD_AFTER_S).
+            # On the cell's thread: it shows in this cell (a quick call's dashboard is never made).
             shown = make_display(display, self._num_ranks, build_after_s=CALL_DASHBOARD_AFTER_S)
             settling = Settling(launch, call)
             try:
