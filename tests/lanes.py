@@ -42,6 +42,7 @@ DEFAULT_COVERS = {
     "an interrupt stops every rank": "tests/launch/test_lifecycle.py::test_an_interrupt_of_the_whole_process_group_shows_stacks_then_stops_every_rank",
     "a timeout stops every rank": "tests/launch/test_failures.py::test_timeout_shows_where_every_rank_was_and_stops_them",
     "no rank is orphaned": "tests/launch/test_process_tree.py::test_helpers_in_their_own_session_end_with_a_rank_that_fails[killed]",
+    "a launch's ranks begin with what they import": "tests/launch/test_preload.py::test_what_the_function_imports_is_imported_once_where_its_ranks_come_from_before_its_first_launch[None]",
     "the launch server spawns CUDA-clean ranks": "tests/launch/test_cuda_initialised_detection.py::test_cuda_initialised_in_the_launcher_spawns_says_so_in_one_line_and_refuses_fork",
     "a stall names its rank": "tests/launch/test_stacks_while_running.py::test_a_stalled_launch_shows_every_ranks_stack_by_itself_and_clears_it",
     "%debug opens a failed rank": "tests/warm/test_debugging.py::test_debug_after_a_launch_opens_the_failing_rank_with_its_locals_and_q_returns",

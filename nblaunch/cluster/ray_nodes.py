@@ -61,8 +61,9 @@ class KeptNodes:
             self._ray = ray
             mine = [n for n in self._kept if (n.cluster, n.request) == (cluster, request)]
             others, self._kept = [n for n in self._kept if n not in mine], []
-        for nodes in others:  # another shape or cluster: what they hold is this launch's to have
-            release(ray, nodes)
+        for nodes in others:  # another shape: what they hold is this launch's to have
+            if nodes.cluster == cluster:
+                release(ray, nodes)  # (another cluster's ended with the session that joined it)
         if mine:
             return dataclasses.replace(mine[0], kept=True)
         return place(ray, request, cluster)
@@ -82,11 +83,15 @@ class KeptNodes:
             return list(self._kept)
 
     def release_all(self) -> int:
-        """Let every kept node go; how many agents there were."""
+        """Let every kept node go; how many agents there were (those of a cluster this process
+        is no longer connected to ended with that connection)."""
         with self._lock:
             kept, self._kept = self._kept, []
+        ray = self._ray
+        cluster = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
         for nodes in kept:
-            release(self._ray, nodes)
+            if nodes.cluster == cluster:
+                release(ray, nodes)
         return sum(len(n.agents) for n in kept)
 
 

@@ -232,6 +232,7 @@ LOUD = """
 """
 
 
+@pytest.mark.slow
 def test_what_a_library_prints_as_it_is_imported_for_the_ranks_shows_once_under_the_launch_that_did_it(
         installed, tmp_path):
     # As tqdm.autonotebook does: a warning at import (here, only where no rank's RANK is set).
@@ -294,6 +295,7 @@ AT_EXIT = """
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_imported_for_its_ranks_still_finalises_its_garbage_at_exit(installed, tmp_path):
     package = installed.package("VALUE = 1\n")
     finalised = tmp_path / "finalised"
@@ -352,3 +354,24 @@ def test_code_that_cannot_be_read_is_launched_as_it_is(tmp_path):
 
     assert wanted(uses_a_mock) == [] or isinstance(wanted(uses_a_mock), list)
     assert notebook_launcher(uses_a_mock, num_processes=1, display="none") == ["MagicMock"]
+
+
+AFTER = """
+    import threading, psutil
+
+    def use():
+        import {package}
+        return {package}.VALUE
+
+    values = launch(use, n=2)
+    say(values=values, threads=sorted(t.name for t in threading.enumerate() if t.name.startswith("nblaunch")),
+        children=[p.name() for p in psutil.Process().children()])
+"""
+
+
+def test_nothing_of_a_launch_runs_after_it_returns(installed, tmp_path):
+    """What readies a launch is done before its fork: once the call returns, no thread of
+    nblaunch's works for a next launch, and no process waits for one."""
+    package = installed.package("VALUE = 4\n")
+    [said], _ = run_script(AFTER.replace("{package}", package), cwd=str(tmp_path))
+    assert said == {"values": [4, 4], "threads": ["nblaunch-forks"], "children": []}

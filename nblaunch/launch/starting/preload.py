@@ -15,12 +15,14 @@ forked after it (``judge``).
 
 A library imported here for the ranks cannot be taken back. Where it was installed anew since
 (``pip install -U``), or its import read a variable that has changed since, forked ranks drop it
-and import it afresh (``Preloaded.forget``).
+and import it afresh (``Preloaded.forget``). A process that imported libraries for its ranks
+exits lightly (``_exit_lightly``): its teardown would otherwise walk every object of theirs.
 
 Example::
 
-    done = preload_here().preload(rank_imports.wanted(train, args), only=None)
-    done.environ, done.forget, done.said   # for the ranks; and "sklearn (1.7 s), ..." for the cell
+    done = preload_here().preload(rank_imports.wanted(train, args))
+    done.environ, done.forget   # for the ranks
+    done.said                   # "sklearn, torch._dynamo imported here first (2.8 s)", for the launch's line
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ import time
 from collections.abc import Iterable
 
 from nblaunch.contract import variables
+from nblaunch.environ_watch import EnvironWatch, watched_environ
+from nblaunch.launch.starting.rank_imports import Wanted
 from nblaunch.machine.cuda import cuda_initialized
 from nblaunch.machine.installed import top_level
-from nblaunch.launch.starting.rank_imports import Wanted
 from nblaunch.per_process import per_process
-from nblaunch.environ_watch import EnvironWatch, watched_environ
 
 WAIT_FOR_A_PACKAGE_S = 10.0  # a launch waits this long for one library's import here, then forks
 SAID_FROM_S = 0.1  # imports for the ranks that took this long are said in the launch's line
@@ -181,6 +183,7 @@ class Preload:
         self.refused: dict[str, str] = {}  # never imported here for the ranks again, and why
         self._failed: set[str] = set()  # modules that would not import by their name: not tried again
         self._said: set[str] = set()  # packages a notice was given for
+        self._exits_lightly = False
 
     def preload(self, wanted: list[Wanted], only: frozenset[str] | None = None) -> Preloaded:
         """Import ``wanted`` here (only the modules ``only`` names, where given), each package
@@ -195,7 +198,8 @@ class Preload:
                 if modules and package not in skipped:
                     todo.append((package, modules))
             began = time.monotonic()
-            if todo and not self._brought:
+            if todo and not self._exits_lightly:
+                self._exits_lightly = True
                 atexit.register(_exit_lightly)  # registered late: it runs before the earlier ones
             imported = _Importing(todo, self).run() if todo else []
             forget = tuple(name for name in list(sys.modules) if top_level(name) in stale)
