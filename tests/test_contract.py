@@ -41,7 +41,7 @@ def test_each_environment_variable_name_is_written_once():
     assert len(written) == len(set(written)), sorted(written)
 
 
-def test_only_the_home_factory_tests_a_clusters_name():
+def test_only_clusters_py_tests_a_clusters_name():
     """``cluster=`` names a cluster; only ``nblaunch/clusters.py`` looks at the name."""
     def tests_cluster(node: ast.AST) -> bool:
         if not isinstance(node, ast.Compare) or not any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))

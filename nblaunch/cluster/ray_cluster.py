@@ -108,7 +108,7 @@ class RayCluster:
                     raise
                 # A kept agent died since the last launch (its node went, Ray lost it): place anew.
                 ray_nodes.release(ray, nodes)
-                nodes = ray_nodes.place(ray, self._nodes, nodes.cluster)
+                nodes = ray_nodes.place(ray, self._nodes, nodes.address)
                 where = self._where(nodes.agents, nodes.group)
             address, free_port, _ = where[0]
             port = plan.master_port if plan.port_pinned else free_port

@@ -37,7 +37,7 @@ _AGENT_CONCURRENCY = 8  # an agent answers a long-poll, a cancel and a stack req
 class Nodes:
     """One placement group and its agents (node k's in bundle k)."""
 
-    cluster: str  # the cluster's GCS address
+    address: str  # the cluster's (its GCS address)
     request: NodeRequest
     group: Any
     agents: list[Any]
@@ -56,23 +56,23 @@ class KeptNodes:
     def take(self, ray: Any, request: NodeRequest) -> Nodes:
         """The kept nodes of ``request``'s shape on this cluster, or new ones (placed now: the
         agents start as soon as Ray has placed the group)."""
-        cluster = ray.get_runtime_context().gcs_address
+        address = ray.get_runtime_context().gcs_address
         with self._lock:
             self._ray = ray
-            mine = [n for n in self._kept if (n.cluster, n.request) == (cluster, request)]
+            mine = [n for n in self._kept if (n.address, n.request) == (address, request)]
             others, self._kept = [n for n in self._kept if n not in mine], []
         for nodes in others:  # another shape: what they hold is this launch's to have
-            if nodes.cluster == cluster:
+            if nodes.address == address:
                 release(ray, nodes)  # (another cluster's ended with the session that joined it)
         if mine:
             return dataclasses.replace(mine[0], kept=True)
-        return place(ray, request, cluster)
+        return place(ray, request, address)
 
     def give_back(self, ray: Any, nodes: Nodes, usable: bool) -> None:
         """Keep ``nodes`` for the next launch if ``usable`` (and none of its shape is kept yet:
         two launches at once each placed their own), else let them go."""
         with self._lock:
-            keep = usable and not any((n.cluster, n.request) == (nodes.cluster, nodes.request) for n in self._kept)
+            keep = usable and not any((n.address, n.request) == (nodes.address, nodes.request) for n in self._kept)
             if keep:
                 self._kept.append(dataclasses.replace(nodes, kept=False))
         if not keep:
@@ -88,9 +88,9 @@ class KeptNodes:
         with self._lock:
             kept, self._kept = self._kept, []
         ray = self._ray
-        cluster = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
+        address = ray.get_runtime_context().gcs_address if ray is not None and ray.is_initialized() else None
         for nodes in kept:
-            if nodes.cluster == cluster:
+            if nodes.address == address:
                 release(ray, nodes)
         return sum(len(n.agents) for n in kept)
 
@@ -98,7 +98,7 @@ class KeptNodes:
 kept_nodes = per_process(KeptNodes)
 
 
-def place(ray: Any, request: NodeRequest, cluster: str) -> Nodes:
+def place(ray: Any, request: NodeRequest, address: str) -> Nodes:
     """A new placement group for ``request`` and one agent in each of its bundles."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # deferred: Ray's, loaded with it
 
@@ -117,7 +117,7 @@ def place(ray: Any, request: NodeRequest, cluster: str) -> Nodes:
     except BaseException:
         ray_placement.release(ray, agents, group)
         raise
-    return Nodes(cluster, request, group, agents)
+    return Nodes(address, request, group, agents)
 
 
 def release(ray: Any, nodes: Nodes) -> None:
