@@ -46,7 +46,8 @@ def test_the_long_runs_notebook_carries_on_across_kernel_restarts(tmp_path):
     assert restarts == 2 and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                                      for pid in kernel_pids)
     listed = everything_shown(cell(nb, "nblaunch.launches()"))
-    assert re.search(r"\w{12}\s+(running|done)\s+\S+ \S+\s+train on 2 ranks", listed), listed
+    # Starting, still: its supervisor may be importing what the ranks will import (issue 60).
+    assert re.search(r"\w{12}\s+(starting|running|done)\s+\S+ \S+\s+train on 2 ranks", listed), listed
     accuracy = everything_shown(cell(nb, "accuracy = launch.result()"))
     values = [float(v) for v in re.findall(r"0\.\d+", accuracy)]
     assert len(values) == 2 and min(values) > 0.9, accuracy
