@@ -24,7 +24,7 @@ from typing import Any
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
                              RankState, Stacks)
-from nblaunch.launch.errors import LaunchCancelledError, LaunchTimeoutError, RankFailedError
+from nblaunch.launch.errors import LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
@@ -276,16 +276,23 @@ class Launch:
             timeout = self._timeout - (time.monotonic() - started)
             if timeout <= 0:
                 raise LaunchTimeoutError(self._timeout, {})
-        with self._cluster.attempt(plan, self._emit, timeout, self.log_dir) as watcher:
-            with self._lock:
-                self._supervisor = watcher
-                if self._cancel_requested:
-                    watcher.cancel(self._cancel_as)
-            try:
-                return watcher.run()
-            except LaunchTimeoutError as error:
-                figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
-                raise LaunchTimeoutError(figure, error.stacks) from None
+        try:
+            with self._cluster.attempt(plan, self._emit, timeout, self.log_dir) as watcher:
+                with self._lock:
+                    self._supervisor = watcher
+                    if self._cancel_requested:
+                        watcher.cancel(self._cancel_as)
+                try:
+                    return watcher.run()
+                except LaunchTimeoutError as error:
+                    figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
+                    raise LaunchTimeoutError(figure, error.stacks) from None
+        except KeyboardInterrupt as interrupt:
+            if isinstance(interrupt, LaunchInterrupted):
+                raise
+            # It came while the ranks were starting, before anyone could ask them for stacks: the
+            # cluster's attempt has stopped what it had started. Still the launch's interrupt.
+            raise LaunchInterrupted("interrupted while the ranks were starting; every rank was stopped") from None
 
 
 def _next_start(plan: LaunchPlan) -> LaunchPlan:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from nblaunch import LaunchInterrupted, notebook_launcher, proctree
-from nblaunch.events import RankFinished, RankState, Stacks
+from nblaunch.events import LaunchFinished, RankFinished, RankStarted, RankState, Stacks
 from nblaunch.launch import registry
 
 from processes import gone
@@ -95,6 +95,56 @@ def test_an_interrupt_while_stopping_on_one_does_not_cut_the_report_short(record
     assert {e.state for e in recorder.of(RankFinished)} == {RankState.STOPPED}
 
 
+class InterruptAsTheRanksAreShown:
+    """A display that is interrupted while it draws the ranks (a first widget takes a while)."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def on_event(self, event):
+        self.recorder.on_event(event)
+        if isinstance(event, RankStarted) and event.rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def close(self):
+        pass
+
+
+def test_an_interrupt_while_the_display_draws_the_ranks_is_answered_like_any_other(recorder):
+    raised = None
+    try:
+        notebook_launcher(block_until_stopped, num_processes=2, display=InterruptAsTheRanksAreShown(recorder))
+    except KeyboardInterrupt as error:
+        raised = error
+    assert isinstance(raised, LaunchInterrupted), f"{raised!r} escaped the launch's own stop"
+    assert {e.state for e in recorder.of(RankFinished)} == {RankState.STOPPED}
+    assert sorted(e.rank for e in recorder.of(RankFinished)) == [0, 1]
+    assert gone([e.pid for e in recorder.of(RankStarted)], within=5)
+
+
+def test_an_interrupt_after_the_fork_before_the_watching_stops_every_rank(recorder, monkeypatch):
+    # The moment between forking the ranks and watching them is short; an interrupt landing in
+    # it (as a busy machine makes likely) is forced here, just after the launch is recorded.
+    forked: list[int] = []
+    save = registry.LaunchRecord.save
+
+    def save_then_interrupted(record):
+        save(record)
+        forked.extend(pid for pid, _ in record.ranks)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(registry.LaunchRecord, "save", save_then_interrupted)
+    raised = None
+    try:
+        notebook_launcher(block_until_stopped, num_processes=2, display=recorder)
+    except KeyboardInterrupt as error:
+        raised = error
+    assert isinstance(raised, LaunchInterrupted) and "while the ranks were starting" in str(raised), repr(raised)
+    assert len(forked) == 2 and gone(forked, within=5)
+    (finished,) = recorder.of(LaunchFinished)
+    assert finished.state is RankState.STOPPED and "interrupted after" in finished.summary
+
+
 def test_ranks_die_with_a_killed_launcher_even_inside_a_cpp_collective():
     proc, pids = start_blocked_ranks()
     killed_at = time.monotonic()
@@ -128,7 +178,7 @@ STARTS_A_SERVER = """
 import os, subprocess, sys
 import torch.distributed as dist
 from nblaunch import LaunchInterrupted, notebook_launcher, proctree
-from nblaunch.events import RankFinished, RankState, Stacks
+from nblaunch.events import LaunchFinished, RankFinished, RankStarted, RankState, Stacks
 
 def train(folder):
     server = subprocess.Popen(["sleep", "600"])  # e.g. a TensorBoard the training started
@@ -170,7 +220,7 @@ def test_a_live_launch_of_another_process_is_left_alone():
 MAIN_ON_STDIN = """
 import os
 from nblaunch import LaunchInterrupted, notebook_launcher, proctree
-from nblaunch.events import RankFinished, RankState, Stacks
+from nblaunch.events import LaunchFinished, RankFinished, RankStarted, RankState, Stacks
 
 offset = 1000
 

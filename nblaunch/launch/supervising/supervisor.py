@@ -82,12 +82,14 @@ class Supervisor(StoppingRanks):
 
     # ----------------------------------------------------------------------------- main loop
     def run(self) -> list[Any]:
-        # Said here, not when made: whoever waits for the ranks (a warm pool's first call) then
-        # finds the launch holding this supervisor, ready to take frames for them.
-        for rank in self._ranks.values():
-            self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         try:
+            # Said here, not when made: whoever waits for the ranks (a warm pool's first call) then
+            # finds the launch holding this supervisor, ready to take frames for them. Inside the
+            # try: a first display takes a while to draw these, and an interrupt while it does is
+            # answered like any other (stacks, then stop).
+            for rank in self._ranks.values():
+                self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
             while self._live():
                 now = time.monotonic()
                 if self._gpus is not None and now >= self._next_sample:
