@@ -203,21 +203,25 @@ def test_the_gpu_lane_runs_here_end_to_end_and_reports_no_cuda_device(tmp_path):
 
 
 FAKE_DRIVER = r'''
-#include <stdlib.h>
-/* cuDeviceGetCount as the CUDA driver answers it: 3 (not initialised) until cuInit has run. */
+/* The CUDA driver's answers, per process as the real one's: cuDeviceGetCount says 3 (not
+   initialised) until this process has run cuInit. Loading the library initialises nothing: a CUDA
+   build of torch loads it at import, and a fresh interpreter (the launch server) starts clean. */
+static int initialised;
+int cuInit(unsigned int flags) { (void)flags; initialised = 1; return 0; }
 int cuDeviceGetCount(int *count) {
-    const char *initialised = getenv("FAKE_CUDA_INITIALISED");
-    if (!initialised || initialised[0] != '1') return 3;
+    if (!initialised) return 3;
     *count = 1;
     return 0;
 }
 '''
 
 DRIVER_PROBE = '''
-import ctypes, json, sys
+import ctypes, json, os, sys
 from nblaunch.launch.planning import devices
 before = devices.cuda_initialized()          # the driver is not loaded in this process
-ctypes.CDLL("libcuda.so.1")                  # what torch.cuda.is_available() does first
+driver = ctypes.CDLL("libcuda.so.1")         # what torch.cuda.is_available() does first,
+if os.environ["PROBE_RUNS_CUINIT"] == "1":   # then cuInit
+    driver.cuInit(0)
 print("RESULT " + json.dumps({"not_loaded": before, "loaded": devices.cuda_initialized(),
                   "torch_flag": sys.modules["torch"].cuda.is_initialized() if "torch" in sys.modules else None}))
 '''
@@ -228,6 +232,6 @@ def test_a_driver_initialised_without_torch_knowing_is_detected(tmp_path, initia
     """torch.cuda.is_available() runs cuInit without setting torch's own flag: a fork then breaks
     CUDA in the ranks. The launcher asks the driver itself (a stand-in here, built with cc)."""
     env = {**stand_in_library(tmp_path, "libcuda.so.1", FAKE_DRIVER),
-           "FAKE_CUDA_INITIALISED": "1" if initialised else "0"}
+           "PROBE_RUNS_CUINIT": "1" if initialised else "0"}
     found, _ = run_child(DRIVER_PROBE, tmp_path, env)
     assert found == {"not_loaded": False, "loaded": initialised, "torch_flag": None}
