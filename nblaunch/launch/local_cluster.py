@@ -28,11 +28,11 @@ from nblaunch.detached.kept_launch import KeptInAFolder, KeptLaunch
 from nblaunch.events import Event
 from nblaunch.launch import registry
 from nblaunch.launch.handle import Launch
-from nblaunch.launch.planning import pickling
+from nblaunch.launch.planning import pickling, ports
 from nblaunch.launch.planning.plan import LaunchPlan, plan_here
 from nblaunch.launch.planning.request import LaunchRequest
 from nblaunch.launch.cluster_interface import Cluster
-from nblaunch.launch.rendezvous import Rendezvous
+from nblaunch.launch.rendezvous import Rendezvous, hosts_store
 from nblaunch.launch.starting import rank_imports
 from nblaunch.launch.starting.choice import starter_for
 from nblaunch.launch.starting.preload import preload_here
@@ -62,6 +62,11 @@ class LocalCluster:
         said = self._starter.prepare(self.plan)
         if said:
             self.plan = dataclasses.replace(self.plan, start_reason=f"{self.plan.start_reason}; {said}")
+        if not self.plan.port_pinned and hosts_store(self.plan):
+            # The imports may have taken seconds, and a free port chosen before them may have been
+            # taken since (seen on a busy machine): a free one is chosen again, just before it is bound.
+            self.plan = dataclasses.replace(self.plan, master_port=ports.choose_port(
+                self.plan.master_addr, None, hosted_here=True))
         for message in [*registry.stop_stale_ranks(), *preload_here().notices(), *server_refusals().notices()]:
             print(f"nblaunch: {message}", file=sys.stderr)
 

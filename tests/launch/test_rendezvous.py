@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from nblaunch import LaunchConfigError, notebook_launcher
+from nblaunch.launch.handle import Launch
+from nblaunch.launch.local_cluster import LocalCluster
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import plan_here
 from nblaunch.launch.planning.request import LaunchRequest
@@ -67,6 +69,18 @@ def test_a_port_taken_after_it_was_chosen_is_a_clear_error():
         with pytest.raises(LaunchConfigError, match=rf"port {plan.master_port} is already in use.*use_port=None"):
             with Rendezvous(plan):
                 pass
+
+
+def test_a_free_port_taken_while_the_ranks_imports_were_made_is_chosen_again():
+    # The imports before the fork may take seconds (one that hangs is waited for, then given up):
+    # a free port chosen before them can be another program's by then.
+    cluster = LocalCluster(LaunchRequest(_join_and_return, num_processes=2, display="none"))
+    with socket.socket() as thief:
+        thief.bind((cluster.plan.master_addr, cluster.plan.master_port))
+        thief.listen()
+        launch = Launch(cluster)
+        assert launch.plan.master_port != thief.getsockname()[1]
+        assert launch.run() == [0, 1]
 
 
 def test_a_rank_that_connects_before_the_store_serves_is_served_once_it_does():
