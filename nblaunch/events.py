@@ -96,6 +96,16 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """Training steps a rank measured, split into their parts (``nblaunch.step_split.book.StepRecord``
+    tuples); ``note``: what it could not measure, and why ("" when nothing)."""
+
+    rank: int
+    steps: tuple[tuple, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class CallFinished:
     """A warm rank finished one call (see nblaunch.warm) and sent back its value."""
 
@@ -265,10 +275,11 @@ class LaunchFinished:
     root_cause_rank: int | None = None
     summary: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    steps: Any = None  # the training steps split (nblaunch.step_split.LaunchSteps), when any was measured
 
 
 Event = (
-    LaunchStarted | ClusterWaiting | RanksPlaced | RankStarted | Output | Progress | Metrics | Stacks | RankFinished
+    LaunchStarted | ClusterWaiting | RanksPlaced | RankStarted | Output | Progress | Metrics | StepTimes | Stacks | RankFinished
     | LaunchRestarting | LaunchFinished | CallFinished | CallFailed | CallSteps | GroupReleased | RankDevice
     | RankCompiling | GpuUsage | Stalled | StallCleared
 )

@@ -28,6 +28,8 @@ STEPS = b"s"  # warm ranks: pickled (call_id, step boundaries passed in the call
 RELEASED = b"r"  # warm ranks: pickled str, "" or why not: the rank released its group (RELEASE)
 MOVED = b"m"  # empty body: the rank's main thread moved since the last one (nblaunch.worker.movement)
 COMPILING = b"c"  # pickled (compiling, seconds): a torch.compile began (False, 0) or ended after seconds
+STEP_TIMES = b"t"  # pickled (StepRecords, note): steps split (nblaunch.worker.step_clock); note: "" or why none
+COLLECTIVES = b"k"  # pickled {kind: (entered, left)}: the collectives counted, sent just before a STACKS answer
 # Launcher -> worker
 SPAWN_SETTINGS = b"W"  # spawn only: pickled (WorkerSettings, out-of-band buffers), before PAYLOAD
 PAYLOAD = b"F"  # spawn only: cloudpickled (function, args)

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nblaunch"
 # Lowest first. A module may import from its own layer and the layers below, never above.
 LAYERS = [
     ["nblaunch.contract", "nblaunch.wire", "nblaunch.events", "nblaunch.frames", "nblaunch.proctree",
-     "nblaunch.environ_watch", "nblaunch.after_import", "nblaunch.machine", "nblaunch.per_process"],
+     "nblaunch.environ_watch", "nblaunch.after_import", "nblaunch.machine", "nblaunch.per_process",
+     "nblaunch.step_split"],
     ["nblaunch.worker", "nblaunch.display"],
     # training/: one folder per concern, each importing only those before it
     ["nblaunch.training.runtime"],

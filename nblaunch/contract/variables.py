@@ -37,6 +37,7 @@ MIXED_PRECISION = "NBLAUNCH_MIXED_PRECISION"  # the launch's mixed_precision=, f
 FORCE_CPU = "NBLAUNCH_FORCE_CPU"  # "1": cpu=True, debug_launcher (the GPUs are hidden too)
 XLA_LAUNCH = "NBLAUNCH_XLA"  # "1" in every rank of an XLA launch
 DISTRIBUTED_TYPE = "NBLAUNCH_DISTRIBUTED_TYPE"  # "XLA": asks a process outside a launch for XLA
+STEP_SPLIT = "NBLAUNCH_STEP_SPLIT"  # "0": the ranks do not split their steps (nblaunch.worker.step_clock)
 STALL_AFTER = "NBLAUNCH_STALL_AFTER"  # the launch's stall_after= in seconds; absent: no stall watch
 LAUNCH_ID = "NBLAUNCH_LAUNCH_ID"  # every process of a launch carries it: found and stopped by it
 COMPILE_CACHE = "NBLAUNCH_COMPILE_CACHE"  # where ranks keep torch.compile's code (launch/planning/compile_cache)

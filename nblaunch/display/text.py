@@ -124,6 +124,8 @@ class TextDisplay:
             for rank, (values, step) in sorted(self._last_metrics.items()):
                 self._print_metrics(rank, values, step)  # the latest values are never skipped
             self._last_metrics.clear()
+            if event.steps is not None:
+                self._print("nblaunch: " + str(event.steps).replace("\n", "\n  "))
             self._print(f"nblaunch: {event.summary}", "stdout" if event.state == RankState.DONE else "stderr")
 
     def _print_metrics(self, rank: int, values: dict, step: int | None) -> None:

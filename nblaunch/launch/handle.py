@@ -23,13 +23,14 @@ from typing import Any
 
 from nblaunch.display import Fanout, make_display
 from nblaunch.events import (Event, LaunchFinished, LaunchRestarting, LaunchStarted, RankFinished, RankStarted,
-                             RankState, Stacks)
+                             RankState, Stacks, StepTimes)
 from nblaunch.launch.errors import LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError
 from nblaunch.launch.logfiles import LogFiles, new_log_dir
 from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.processes.packing import Payload
 from nblaunch.launch.cluster_interface import Cluster, RankWatcher
+from nblaunch.step_split import LaunchSteps, StepBook
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -65,6 +66,7 @@ class Launch:
         self._rank_states: dict[int, RankState] = {}
         self._stacks_answered = threading.Condition()
         self._asked_stacks: dict[int, str] = {}
+        self._steps = StepBook(plan.shown_ranks)
         self._status = "starting"
         self._made_at = time.strftime("%H:%M:%S")
         self._pid = os.getpid()  # a fork of this process does not own the launch
@@ -205,7 +207,29 @@ class Launch:
         except BaseException:
             pass  # kept in the future; result() raises it
 
+    @property
+    def steps(self) -> LaunchSteps:
+        """Every rank's training steps split into their parts, so far (see ``nblaunch.step_split``).
+
+        Example::
+
+            launch.steps[1].data       # rank 1's median wait for data per step, in seconds
+            launch.steps.straggler     # 1: the rank that holds the others up (or None)
+            print(launch.steps)        # the summary: each rank's split, what the ranks buy, what to do
+        """
+        return self._steps.report()
+
     def _emit(self, event: Event) -> None:
+        if isinstance(event, StepTimes):
+            self._steps.add(event.rank, event.steps)
+            if event.note:
+                self._steps.note(event.note)
+        elif isinstance(event, LaunchRestarting):
+            self._steps.clear()  # the steps of the new start are counted afresh
+        elif isinstance(event, LaunchFinished) and event.steps is None:
+            report = self._steps.report()
+            if report.ranks or report.notes:
+                event = dataclasses.replace(event, steps=report)  # every display ends with the same summary
         if isinstance(event, RankStarted):
             self._rank_states[event.rank] = RankState.RUNNING
             self._status = "running"

@@ -27,7 +27,7 @@ from nblaunch import proctree, wire
 from nblaunch.machine.installed import installed_modules, loaded_since
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
-from nblaunch.worker import calls, channel, compile_watch, lifeline, movement, payload
+from nblaunch.worker import calls, channel, compile_watch, lifeline, movement, payload, step_clock
 from nblaunch.worker.control import ControlSocket
 from nblaunch.worker.own_meeting_point import meet_at_the_launchers_store_only
 from nblaunch.worker.inherited import forget_accelerate_state, forget_half_imported, leave_interactive_session
@@ -199,7 +199,10 @@ def _run_function(function: Callable, args: tuple, control: ControlSocket, event
     movement.watch_main_thread()
     compile_watch.watch_compiles()  # torch._dynamo is usually loaded ahead: its compiles show from the first
     try:
-        result = function(*args)
+        try:
+            result = function(*args)
+        finally:
+            step_clock.flush()  # the last steps, before the result or the failure
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result
         if exit_request.code in (None, 0):
             _send_result(None)
@@ -231,6 +234,9 @@ def _watch_launcher(control: ControlSocket, event_fd: int) -> None:
             for kind, body in control.next_frames():
                 if kind == wire.DUMP_STACKS:
                     flush_streams()  # what it printed up to here comes before where it is
+                    counted = step_clock.counts()
+                    if counted:  # first: the stall report reads them with the stack
+                        channel.send(wire.COLLECTIVES, pickle.dumps(counted), fd=event_fd)
                     channel.send(wire.STACKS, format_stacks().encode(), fd=event_fd)
                 elif kind == wire.SHARED:
                     shared = control.shared_memory(body)

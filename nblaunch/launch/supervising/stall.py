@@ -94,8 +94,9 @@ class StallReports:
             return
         self._asked = (time.monotonic() + STACKS_WITHIN_S, ranks)
 
-    def report_when_answered(self, stacks: dict[int, str]) -> None:
-        """Once every rank asked answered (or the time for it is up), show the stall."""
+    def report_when_answered(self, stacks: dict[int, str], counts: dict[int, dict[str, tuple[int, int]]] | None = None) -> None:
+        """Once every rank asked answered (or the time for it is up), show the stall; ``counts``:
+        the collectives each rank counted, ``{rank: {kind: (entered, left)}}``."""
         if self._asked is None:
             return
         due_by, asked = self._asked
@@ -103,9 +104,10 @@ class StallReports:
             return
         self._asked = None
         answered = {self._first_rank + r: stacks[r] for r in asked if r in stacks}
+        counted = {self._first_rank + r: c for r, c in (counts or {}).items() if r in asked}
         silent = self._watch.silent_for(time.monotonic())
         self._watch.shown = True
-        self._emit(Stalled(silent_s=silent, verdict=verdict(answered, silent) if answered else
+        self._emit(Stalled(silent_s=silent, verdict=verdict(answered, silent, counted) if answered else
                            f"no rank made progress for {silent:.0f} s, and none said where it is"))
 
 
@@ -122,8 +124,10 @@ def collective_of(stack: str) -> str:
     return found
 
 
-def verdict(stacks: dict[int, str], silent_s: float) -> str:
-    """One block for a stall: who waits in what, where, and who is elsewhere."""
+def verdict(stacks: dict[int, str], silent_s: float, counts: dict[int, dict[str, tuple[int, int]]] | None = None) -> str:
+    """One block for a stall: who waits in what, where, and who is elsewhere; by count where the
+    ranks counted their collectives (a collective under NCCL returns before it is done, so the
+    stack of the rank that waits is somewhere later, and only counts tell)."""
     waiting: dict[tuple[str, str], list[int]] = {}
     elsewhere: dict[int, str] = {}
     for rank in sorted(stacks):
@@ -134,6 +138,9 @@ def verdict(stacks: dict[int, str], silent_s: float) -> str:
         else:
             elsewhere[rank] = place
     lines = [f"no rank made progress for {silent_s:.0f} s; nothing was stopped"]
+    by_count = counted_line(counts or {}, stacks)
+    if by_count:
+        lines.append(by_count)
     for (op, place), ranks in waiting.items():
         shown = "s " + ", ".join(map(str, ranks)) if len(ranks) > 1 else f" {ranks[0]}"
         lines.append(f"rank{shown} wait{'' if len(ranks) > 1 else 's'} in {op} ({place})")
@@ -150,3 +157,30 @@ def verdict(stacks: dict[int, str], silent_s: float) -> str:
     else:
         lines.append("-> no rank is in a collective: each waits where its own code is (a sleep, a lock, a slow call)")
     return "\n".join(lines)
+
+
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def counted_line(counts: dict[int, dict[str, tuple[int, int]]], stacks: dict[int, str]) -> str:
+    """``rank 0 waits in its 7th gradient sync; rank 1 has entered 6, and is at train.py:71``: for
+    the first kind of collective the ranks have not all entered as often, or "" when none."""
+    kinds = dict.fromkeys(kind for c in counts.values() for kind in c)
+    for kind in kinds:
+        entered = {rank: c.get(kind, (0, 0))[0] for rank, c in sorted(counts.items())}
+        most = max(entered.values())
+        if min(entered.values()) == most:
+            continue
+        ahead = [r for r, n in entered.items() if n == most and counts[r].get(kind, (0, 0))[1] < most]
+        behind = [r for r, n in entered.items() if n < most]
+        said = []
+        if ahead:
+            who = f"rank {ahead[0]} waits" if len(ahead) == 1 else f"ranks {', '.join(map(str, ahead))} wait"
+            said.append(f"{who} in {'its' if len(ahead) == 1 else 'their'} {_nth(most)} {kind}")
+        for rank in behind:
+            place = frames.where(stacks.get(rank, ""))
+            said.append(f"rank {rank} has entered {entered[rank]}" + (f", and is at {place}" if place else ""))
+        return "; ".join(said)
+    return ""

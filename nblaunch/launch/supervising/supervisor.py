@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.events import (Event, Metrics, Output, Progress, RankCompiling, RankDevice, RankFinished, RankStarted,
-                             RankState)
+                             RankState, StepTimes)
 from nblaunch.contract.failure import RankFailure
 from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, LaunchTimeoutError, RankFailedError,
                                     failure_from_exit)
@@ -108,7 +108,7 @@ class Supervisor(StoppingRanks):
                     self._output_trickle = False
                     time.sleep(_COALESCE_OUTPUT_S)
                 if not self._stopping:
-                    self._stalls.report_when_answered(self._stacks)
+                    self._stalls.report_when_answered(self._stacks, self._counts())
                 if self._failures() and not self._stopping:
                     self._stop(_STACKS_ON_FAILURE_S, fallback=False)
                 elif not self._stopping and self._stacks_requested:
@@ -194,6 +194,10 @@ class Supervisor(StoppingRanks):
     @property
     def imported(self) -> list[str]:  # the installed libraries the ranks imported (wire.IMPORTED), once each
         return list(dict.fromkeys(name for r in sorted(self._ranks) for name in self._ranks[r].imported))
+
+    def _counts(self) -> dict[int, dict[str, tuple[int, int]]]:
+        """Each rank's collectives, counted (``wire.COLLECTIVES``), by its number on this node."""
+        return {r: rank.collectives for r, rank in self._ranks.items() if rank.collectives}
 
     def _live(self) -> list[WatchedRank]:
         return [r for r in self._ranks.values() if not r.finished]
@@ -298,6 +302,12 @@ class Supervisor(StoppingRanks):
             bar_id, n, total, desc, closed, auto = pickle.loads(body)
             self._emit(Progress(rank=r, bar_id=bar_id, n=n, total=total, desc=desc, closed=closed, auto=auto))
             self._stalls.heard()
+        elif kind == wire.STEP_TIMES:
+            steps, note = pickle.loads(body)
+            self._emit(StepTimes(rank=r, steps=tuple(steps), note=note))
+            self._stalls.heard()
+        elif kind == wire.COLLECTIVES:
+            rank.collectives = pickle.loads(body)
         elif kind == wire.STACKS:
             self._keep_stacks(r, body.decode("utf-8", "replace"))
         elif kind in call_frames.KINDS:

@@ -31,6 +31,7 @@ class WatchedRank:
         self.finished = False
         self.busy = True  # running its function or a call (a warm rank between calls is not)
         self.imported: list[str] = []  # the installed libraries it imported, told as it goes
+        self.collectives: dict[str, tuple[int, int]] = {}  # {kind: (entered, left)}, told with its stacks
 
 
 _LINE_END = re.compile(rb"\r\n|\n|\r")

@@ -49,7 +49,7 @@ from nblaunch.training.precision.compiling import CompileStep
 from nblaunch.training.runtime.state import AcceleratorState
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.strategy.picking import pick_strategy
-from nblaunch.worker import channel
+from nblaunch.worker import channel, step_clock
 from nblaunch.training.tracking.choose import choose_trackers
 
 __all__ = ["Accelerator"]
@@ -245,6 +245,7 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.trackers = []
         self._accumulate_context = None
         channel.report_device(str(self.device), self.mixed_precision)  # the rank's row in the cell says it
+        step_clock.start(cuda=self.device.type == "cuda")  # the rank's steps, split (nblaunch.worker.step_clock)
 
     def __repr__(self) -> str:
         return (f"Accelerator(process {self.process_index}/{self.num_processes}, device={self.device}, "

@@ -22,6 +22,7 @@ from nblaunch.training.data.prepared import PreparedDataLoader, skip_first_batch
 from nblaunch.training.model import placement
 from nblaunch.training.model.fsdp import is_sharded
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+from nblaunch.worker import step_clock
 
 __all__ = ["PrepareMethods"]
 
@@ -106,6 +107,9 @@ class PrepareMethods(AcceleratorHost):
             self._precision.wrap_forward(model)
         self._compile_step.compile(model)  # its forward, in place: DDP and FSDP2 wrap the compiled model
         model = strategy.wrap_model(model, self.device, trainable)
+        clock = step_clock.current()
+        if clock is not None:
+            clock.watch_forward(model)
         self._replaced_parameters.record(before, model)
         for prepared in self._optimizers:  # prepared before their model
             self._replaced_parameters.switch(prepared.optimizer)

@@ -25,6 +25,7 @@ from nblaunch.training.runtime.state import DistributedType
 from nblaunch.training.step import profiling
 from nblaunch.training.step.accumulation import Accumulate
 from nblaunch.training.step.optim import AcceleratedOptimizer
+from nblaunch.worker import step_clock
 from nblaunch.worker.warm import cell_stop
 
 __all__ = ["TrainingStepMethods"]
@@ -40,7 +41,13 @@ class TrainingStepMethods(AcceleratorHost):
         steps = self.gradient_state.num_steps
         if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps
+        clock = step_clock.current()
+        if clock is None:
+            self._strategy.backward(loss, self.scaler, **kwargs)
+            return
+        clock.backward_began()
         self._strategy.backward(loss, self.scaler, **kwargs)
+        clock.backward_ended()
 
     def accumulate(self, *models: torch.nn.Module) -> Accumulate:
         """Context for one micro-step of gradient accumulation.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.collectives import synchronize_rng_states
 from nblaunch.training.runtime.tree import send_to_device
-from nblaunch.worker import channel
+from nblaunch.worker import channel, step_clock
 from nblaunch.worker.progress import BarReporter
 
 if TYPE_CHECKING:
@@ -196,12 +197,23 @@ class PreparedDataLoader(DataLoader):
                 length = len(self)
             except TypeError:
                 length = None
-            for count, (batch, last) in enumerate(marking_last(iterator, length, skip), skip + 1):
+            clock = step_clock.current()
+            batches = marking_last(iterator, length, skip)
+            count = skip
+            while True:
+                began = time.perf_counter()
+                found = next(batches, None)
+                if found is None:
+                    break
+                batch, last = found
+                count += 1
                 if last:
                     progress.end = True
                 progress.advance(count)
                 if feed is not None:
                     batch = feed(batch)
+                if clock is not None:
+                    clock.waited_for_data(began, batch)  # from asking for the batch to having it here
                 yield batch
 
 

@@ -15,8 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.state import DistributedType, PartialState
 from nblaunch.training.runtime.tree import recursively_apply
+from nblaunch.worker import step_clock
 
 __all__ = ["gather", "gather_object", "reduce", "pad_across_processes", "broadcast", "copy_tensor_to_devices",
            "broadcast_object_list", "synchronize_rng_state", "synchronize_rng_states", "DistributedOperationException",
@@ -45,6 +47,17 @@ class CannotPadNestedTensorWarning(UserWarning):
 
 class ShapeMismatchError(DistributedOperationException, ValueError):
     """Tensors handed to a collective differ in shape or dtype between ranks."""
+
+
+def _counted(kind: str) -> Callable:
+    """Count the collective and time it as communication (``nblaunch.worker.step_clock``)."""
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with step_clock.collective(kind):
+                return function(*args, **kwargs)
+        return counted
+    return decorate
 
 
 def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -120,6 +133,7 @@ def _gather_one(tensor: torch.Tensor, state: PartialState, allow_uneven_dim0: bo
     return torch.cat([p[:n] for p, n in zip(parts, lengths)], dim=0)
 
 
+@_counted('gather')
 def gather(data: Any, *, allow_uneven_dim0: bool = False) -> Any:
     """Concatenate every process's tensors along dimension 0, on every process.
 
@@ -136,6 +150,7 @@ def gather(data: Any, *, allow_uneven_dim0: bool = False) -> Any:
     return recursively_apply(lambda t: _gather_one(t, state, allow_uneven_dim0), data)
 
 
+@_counted('gather')
 def gather_object(obj: Any) -> list:
     """Gather picklable objects from every process.
 
@@ -158,6 +173,7 @@ def gather_object(obj: Any) -> list:
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
+@_counted('reduce')
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     """Sum, average, maximum or minimum (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) of tensors
     over processes, element-wise; the input is not changed."""
@@ -182,6 +198,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     return recursively_apply(one, data)
 
 
+@_counted('gather')
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad tensors along ``dim`` to the largest size over all processes (so they can be gathered)."""
     state = PartialState()
@@ -217,6 +234,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
     return recursively_apply(one, data)
 
 
+@_counted('broadcast')
 def broadcast(data: Any, from_process: int = 0) -> Any:
     """Copy tensors of ``from_process`` into the same tensors on every process (in place)."""
     state = PartialState()
@@ -233,6 +251,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
     return recursively_apply(one, data)
 
 
+@_counted('broadcast')
 def broadcast_object_list(objects: list, from_process: int = 0) -> list:
     """Replace the items of ``objects`` by those of ``from_process`` (in place, picklable items)."""
     state = PartialState()

@@ -41,6 +41,7 @@ from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.environment import (DistributedType, debug_mode, env_int, forces_cpu, launch_key,
                                                    uses_xla)
 from nblaunch.training.runtime.splitting import split_inputs
+from nblaunch.worker import step_clock
 
 __all__ = ["DistributedType", "PartialState", "AcceleratorState", "reset_process_state"]
 
@@ -232,10 +233,11 @@ class PartialState:
         if self.distributed_type is DistributedType.XLA:
             xla.barrier("nblaunch.wait_for_everyone")
         elif self.num_processes > 1:
-            if self.backend == "nccl":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
+            with step_clock.collective("barrier"):
+                if self.backend == "nccl":
+                    dist.barrier(device_ids=[self.device.index])
+                else:
+                    dist.barrier()
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy ``group``, or (None) the process group this state made, and forget the state;

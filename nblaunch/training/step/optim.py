@@ -21,6 +21,7 @@ import torch
 
 from nblaunch.training.runtime import xla
 from nblaunch.training.step.gradient_state import GradientState
+from nblaunch.worker import step_clock
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 
@@ -90,6 +91,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         if not self.gradient_state.sync_gradients:
             return None  # an accumulation micro-step: gradients keep adding up
+        clock = step_clock.current()
+        if clock is None:
+            return self._step(closure)
+        clock.optimizer_began()
+        try:
+            return self._step(closure)
+        finally:
+            clock.optimizer_ended(self)  # the first prepared optimizer's step ends a training step
+
+    def _step(self, closure: Callable | None) -> Any:
         if self._xla:
             return self._xla_step(closure)
         scaler = self.scaler

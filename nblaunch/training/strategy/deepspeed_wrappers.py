@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.step.optim import AcceleratedOptimizer, AcceleratedScheduler
+from nblaunch.worker import step_clock
 
 __all__ = ["DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper"]
 
@@ -45,6 +46,9 @@ class DeepSpeedOptimizerWrapper(AcceleratedOptimizer):
         super().__init__(optimizer, gradient_state, scaler=None)
 
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        clock = step_clock.current()
+        if clock is not None and self.gradient_state.sync_gradients:
+            clock.optimizer_ended(self)  # the engine stepped in backward: this only ends the training step
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]

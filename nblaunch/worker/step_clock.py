@@ -1,0 +1,287 @@
+"""A rank's clock of its training steps: each step split into its parts, sent to the launcher.
+
+The Accelerator starts it (:func:`start`) and the pieces of a training loop it prepared tell it
+what they do: the prepared DataLoader how long the rank waited for a batch, the prepared model
+when its forward began and ended, ``accelerator.backward`` its backward, DDP's communication hook
+when a gradient bucket was handed to the all-reduce, the prepared optimizer its step (the end of a
+training step: with accumulation, one step is one optimizer step), the Accelerator's collectives
+their time. From those each step is a ``StepRecord`` (``nblaunch.step_split.book``): data, compute
+(forward and backward up to the last bucket handed over), communication (from then to the end of
+the backward -- what the compute did not hide -- and the collectives), the optimizer, and the
+whole step; sent about twice a second and at the end (:func:`flush`).
+
+On the CPU every mark is the monotonic clock. On a GPU the compute, the sync and the optimizer are
+CUDA events on the current stream, read when they have completed -- a step or two late, never by
+synchronising. The wait for data is the host's either way.
+
+Each rank also counts the collectives it enters and leaves, by kind (:func:`entered`,
+:func:`left`); a rank answering a stack request sends them, and a stalled launch is told by count
+("rank 0 waits in its 7th gradient sync; rank 1 has entered 6").
+
+``NBLAUNCH_STEP_SPLIT=0`` in the ranks' environment turns the clock off, and with it the count of gradient syncs.
+
+Example (what the prepared pieces do)::
+
+    clock = step_clock.current()          # None outside a launch, or turned off
+    began = time.perf_counter(); batch = next(iterator); clock.waited_for_data(began, batch)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+import time
+from typing import Any, Iterator
+
+from nblaunch import wire
+from nblaunch.contract import variables
+from nblaunch.worker import channel
+
+REPORT_EVERY_S = 0.5  # the dashboard's pace
+_MAX_UNRESOLVED = 64  # GPU steps whose events have not completed; past it the oldest is waited for
+
+_counts: dict[str, list[int]] = {}  # kind -> [entered, left]
+_clock: StepClock | None = None
+
+
+def entered(kind: str) -> None:
+    """This rank entered a collective of ``kind`` ("gradient sync", "gather", ...)."""
+    _counts.setdefault(kind, [0, 0])[0] += 1
+
+
+def left(kind: str) -> None:
+    _counts.setdefault(kind, [0, 0])[1] += 1
+
+
+def counts() -> dict[str, tuple[int, int]]:
+    """``{kind: (entered, left)}`` of every collective this rank counted."""
+    return {kind: (n[0], n[1]) for kind, n in _counts.items()}
+
+
+_depth = 0  # collectives inside collectives (pad_across_processes gathers) count once
+
+
+@contextlib.contextmanager
+def collective(kind: str) -> Iterator[None]:
+    """Around one of the Accelerator's collectives: counted, and its time is communication."""
+    global _depth
+    if _depth or not channel.in_launch():
+        yield
+        return
+    _depth += 1
+    entered(kind)
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        _depth -= 1
+        left(kind)
+        if _clock is not None:
+            _clock.collective(time.perf_counter() - began)
+
+
+def start(cuda: bool) -> StepClock | None:
+    """The rank's clock, made by its first Accelerator (None outside a launch or turned off)."""
+    global _clock
+    if _clock is None and channel.in_launch() and os.environ.get(variables.STEP_SPLIT, "1") != "0":
+        _clock = StepClock(cuda)
+    return _clock
+
+
+def current() -> StepClock | None:
+    return _clock
+
+
+def flush() -> None:
+    """Send every step not yet sent (the rank's function or a warm call ended); never raises."""
+    try:
+        if _clock is not None:
+            _clock.send(final=True)
+        elif channel.in_launch():
+            _say_what_trained_unmeasured()
+    except Exception:  # noqa: BLE001  a report of the steps must never fail the rank
+        pass
+
+
+def _say_what_trained_unmeasured() -> None:
+    """Trained through another library's loop: say once that the split needs nblaunch's."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    if shared:
+        what = "accelerate's Accelerator (transformers' Trainer uses it)"
+    elif "lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
+        what = "Lightning's Trainer"
+    else:
+        return
+    note = (f"the step split needs nblaunch's Accelerator: these ranks trained through {what}; "
+            "`from nblaunch import Accelerator` (the same names and semantics) measures every step")
+    channel.send(wire.STEP_TIMES, pickle.dumps(([], note)))
+
+
+class StepClock:
+    """The parts of the step under way, and the steps measured but not yet sent."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+        self._index = 0
+        self._began: float | None = None  # the step under way began (host clock)
+        self._data = 0.0
+        self._samples = 0
+        self._comm_host = 0.0  # collectives' time, on the host
+        self._pairs: list[tuple[int, Any, Any]] = []  # (part, from mark, to mark) of this step
+        self._forward: Any = None
+        self._backward: Any = None
+        self._launched: Any = None  # the last gradient bucket handed to the sync in this backward
+        self._optimizer: Any = None
+        self._owner: int | None = None  # id() of the optimizer whose step ends a training step
+        self._unresolved: list[tuple[int, float, float, int, float, list]] = []
+        self._ready: list[tuple] = []
+        self._sent_at = time.monotonic()
+
+    def _mark(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        import torch  # deferred: the worker side never imports torch itself
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _begin(self, now: float) -> None:
+        if self._began is None:
+            self._began = now
+
+    # -- what the prepared pieces say ----------------------------------------------------------
+
+    def waited_for_data(self, began: float, batch: Any) -> None:
+        now = time.perf_counter()
+        self._begin(began)
+        self._data += now - began
+        self._samples += _batch_length(batch)
+
+    def watch_forward(self, model: Any) -> None:
+        """Time every forward of a prepared model (two hooks on the outermost module)."""
+        model.register_forward_pre_hook(lambda *_: self.forward_began())
+        model.register_forward_hook(lambda *_: self.forward_ended())
+
+    def forward_began(self) -> None:
+        self._begin(time.perf_counter())
+        self._forward = self._mark()
+
+    def forward_ended(self) -> None:
+        if self._forward is not None:
+            self._pairs.append((_COMPUTE, self._forward, self._mark()))
+            self._forward = None
+
+    def backward_began(self) -> None:
+        self._begin(time.perf_counter())
+        self._backward, self._launched = self._mark(), None
+
+    def bucket_launched(self) -> None:
+        """DDP handed a bucket of gradients to the all-reduce (from its communication hook)."""
+        if self._backward is None:
+            return
+        if self._launched is None:
+            entered(_SYNC)
+        self._launched = self._mark()
+
+    def backward_ended(self) -> None:
+        began, launched, self._backward, self._launched = self._backward, self._launched, None, None
+        if began is None:
+            return
+        end = self._mark()
+        if launched is None:
+            self._pairs.append((_COMPUTE, began, end))
+            return
+        left(_SYNC)
+        self._pairs.append((_COMPUTE, began, launched))
+        self._pairs.append((_SYNC_WAIT, launched, end))
+
+    def collective(self, seconds: float) -> None:
+        """An Accelerator collective (gather, reduce, broadcast, wait_for_everyone) took this long."""
+        self._comm_host += seconds
+
+    def optimizer_began(self) -> None:
+        self._optimizer = self._mark()
+
+    def optimizer_ended(self, optimizer: object) -> None:
+        """A prepared optimizer stepped; the first one to step ends every training step."""
+        began, self._optimizer = self._optimizer, None
+        if began is not None:
+            self._pairs.append((_OPTIMIZER, began, self._mark()))
+        if self._owner is None:
+            self._owner = id(optimizer)
+        if id(optimizer) == self._owner and self._began is not None:
+            self._end_step()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _end_step(self) -> None:
+        now = time.perf_counter()
+        self._index += 1
+        assert self._began is not None
+        step = (self._index, now - self._began, self._data, self._samples, self._comm_host, self._pairs)
+        self._began, self._data, self._samples, self._comm_host, self._pairs = now, 0.0, 0, 0.0, []
+        self._unresolved.append(step)
+        self._resolve()
+        if time.monotonic() - self._sent_at >= REPORT_EVERY_S:
+            self.send()
+
+    def _resolve(self, wait: bool = False) -> None:
+        while self._unresolved:
+            index, step, data, samples, comm, pairs = self._unresolved[0]
+            if self._cuda and not (wait or len(self._unresolved) > _MAX_UNRESOLVED or _complete(pairs)):
+                break
+            self._unresolved.pop(0)
+            parts = [0.0, 0.0, 0.0]
+            sync_wait = -1.0
+            for part, a, b in pairs:
+                seconds = b - a if not self._cuda else _elapsed(a, b)
+                parts[part] += seconds
+                if part == _SYNC_WAIT:
+                    sync_wait = max(sync_wait, 0.0) + seconds
+            compute, waited, optimizer = parts
+            self._ready.append((index, step, data, compute, waited + comm, optimizer, sync_wait, samples))
+
+    def send(self, final: bool = False) -> None:
+        self._resolve(wait=final)
+        self._sent_at = time.monotonic()
+        if self._ready:
+            ready, self._ready = self._ready, []
+            channel.send(wire.STEP_TIMES, pickle.dumps((ready, "")))
+
+    def restart(self) -> None:
+        """A warm call begins: its steps are counted from 1, as on every rank it runs on."""
+        self.send(final=True)
+        self._index, self._began, self._data, self._samples, self._comm_host, self._pairs = 0, None, 0.0, 0, 0.0, []
+
+
+_COMPUTE, _SYNC_WAIT, _OPTIMIZER = 0, 1, 2
+_SYNC = "gradient sync"
+
+
+def _complete(pairs: list) -> bool:
+    return all(b.query() for _, _, b in pairs)
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    if not b.query():
+        b.synchronize()  # only past _MAX_UNRESOLVED, or at the end
+    return a.elapsed_time(b) / 1000.0
+
+
+def _batch_length(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor (in a dict, list or tuple), else 0."""
+    for _ in range(4):  # nested at most this deep
+        shape = getattr(batch, "shape", None)
+        if shape is not None:
+            return int(shape[0]) if len(shape) else 1
+        if isinstance(batch, dict):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, (list, tuple)):
+            batch = batch[0] if batch else None
+        else:
+            return 0
+    return 0
