@@ -19,6 +19,7 @@ import time
 from html import escape
 
 from nblaunch import frames
+from nblaunch.display import step_view
 from nblaunch.display.logring import LogRing
 from nblaunch.display.svgchart import format_number, line_chart
 from nblaunch.display.view_state import Bar, LaunchView, RankView
@@ -111,7 +112,7 @@ def header_html(view: LaunchView, now: float) -> str:
     return (
         f'<div class="nbl-header" data-state="{view.state.value}" style="{FONT}">'
         f'<div><b style="font-size: 14px">{escape(plan.function_name)}</b> &nbsp;{claim}</div>{stale}'
-        f'<div style="{MUTED}">{" · ".join(facts)}</div>{logs}</div>'
+        f'<div style="{MUTED}">{" · ".join(facts)}</div>{step_view.finding_html(view.steps())}{logs}</div>'
     )
 
 
@@ -131,9 +132,12 @@ def ranks_html(view: LaunchView, now: float) -> str:
     ranks = list(view.ranks.values())
     with_bars = any(rank.shown_bars() for rank in ranks)
     with_devices = any(rank.device or rank.gpu for rank in ranks)
-    rows = "".join(_rank_row(rank, now, with_bars, with_devices, live=view.finished is None) for rank in ranks)
+    steps = view.steps()
+    full = step_view.widest(steps)
+    split = {r.rank: step_view.split_cell(steps.ranks.get(r.rank), full) for r in ranks} if steps.ranks else None
+    rows = "".join(_rank_row(rank, now, with_bars, with_devices, view.finished is None, split) for rank in ranks)
     names = (("rank", "state", "elapsed") + (("device",) if with_devices else ()) + (("progress",) if with_bars else ())
-             + ("last line",))
+             + (("step",) if split else ()) + ("last line",))
     head = "".join(f'<th style="{_CELL} font-weight: 600; white-space: nowrap">{name}</th>' for name in names)
     return (
         f'<div class="nbl-ranks-box" style="overflow-x: auto; max-width: 100%">'
@@ -148,7 +152,8 @@ def ranks_html(view: LaunchView, now: float) -> str:
 _CELL = "padding: 3px 8px; text-align: left; vertical-align: top;"
 
 
-def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, live: bool) -> str:
+def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, live: bool,
+              split: dict[int, str] | None) -> str:
     running = rank.state is RankState.RUNNING and live
     if rank.started_t is None:
         elapsed = ""
@@ -175,6 +180,9 @@ def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, l
         bars = "".join(_bar(bar, rank_colour(rank.rank), running) for bar in rank.shown_bars())
         progress = f'<td style="{_CELL} width: 1%">{bars}</td>'
     device = f'<td class="nbl-device" style="{_CELL} width: 1%; white-space: nowrap">{_device(rank)}</td>' if with_devices else ""
+    if split is not None:  # the step split: after the progress, before the last line
+        progress += f'<td class="nbl-step" style="{_CELL} width: 1%">{split[rank.rank]}</td>'
+
     return (
         f'<tr class="nbl-rank" data-rank="{rank.rank}" data-state="{rank.state.value}">'
         f'<td style="{_CELL} width: 1%; color: {rank_colour(rank.rank)}; font-weight: 600">{rank.rank}</td>'

@@ -10,6 +10,7 @@ from __future__ import annotations
 from html import escape
 
 from nblaunch import frames
+from nblaunch.display import step_view
 from nblaunch.display.render import (FONT, MONO, STATE_COLOURS, badge, fold, log_lines, metrics_html, plain_text,
                                      pre_block, rank_colour, ranks_html)
 from nblaunch.display.view_state import LaunchView
@@ -47,6 +48,7 @@ def summary_html(view: LaunchView, now: float) -> str:
     elif finished is not None and finished.results is not None:
         parts.append(_results(finished.results))
     parts.append(ranks_html(view, now))
+    parts.append(step_view.summary_html(finished.steps if finished is not None else None))
     for rank in view.ranks.values():
         if rank.detail and rank.state is RankState.FAILED and not (finished and finished.error):
             parts.append(fold(f"rank {rank.rank}: {rank.detail.strip().splitlines()[-1]}", pre_block(rank.detail), True))

@@ -12,10 +12,14 @@ import time
 from typing import TextIO
 
 from nblaunch import frames
+from nblaunch.display import step_view
+from nblaunch.step_split import StepBook
+from nblaunch.step_split.book import LIVE
 from nblaunch.events import (
     ClusterWaiting,
     StallCleared,
     Stalled,
+    StepTimes,
     Event,
     LaunchFinished,
     LaunchRestarting,
@@ -32,6 +36,7 @@ from nblaunch.events import (
 
 _REDRAW_EVERY_S = 2.0  # progress bars and \r-lines: a line every so often, not every redraw
 _METRICS_EVERY_S = 1.0
+_STEPS_EVERY_S = 10.0  # each rank's step split, and the finding: a few lines every so often
 _STARTED_BY = {"server": "the launch server"}  # a plan's start method, as the launch's line says it
 
 
@@ -46,6 +51,8 @@ class TextDisplay:
         self._last_shown: dict[tuple, float] = {}
         self._last_metrics: dict[int, tuple[dict, int | None]] = {}
         self._log_dir: str | None = None
+        self._steps = StepBook()  # for the lines every _STEPS_EVERY_S; the end's summary is the launch's
+        self._steps_shown_at: float | None = None
 
     # Resolved per call: in a notebook sys.stdout is swapped per cell.
     def _stream(self, stream: str) -> TextIO:
@@ -92,6 +99,15 @@ class TextDisplay:
             if self._due(("metrics", event.rank), _METRICS_EVERY_S):
                 self._print_metrics(event.rank, event.values, event.step)
                 self._last_metrics.pop(event.rank)
+        elif isinstance(event, StepTimes):
+            self._steps.add(event.rank, event.steps)
+            now = time.monotonic()
+            if self._steps_shown_at is None:  # the first lines once the ranks have stepped a while
+                self._steps_shown_at = now
+            elif now - self._steps_shown_at >= _STEPS_EVERY_S:
+                self._steps_shown_at = now
+                for line in step_view.live_lines(self._steps.report(recent=LIVE)):
+                    self._print(line)
         elif isinstance(event, Stacks):
             # One line: where the rank was; the whole stack of every thread is in its log.
             where = frames.where(event.text) or "(no stack)"

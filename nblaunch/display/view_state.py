@@ -39,7 +39,10 @@ from nblaunch.events import (
     RankStarted,
     RankState,
     Stacks,
+    StepTimes,
 )
+from nblaunch.step_split import LaunchSteps, StepBook
+from nblaunch.step_split.book import LIVE
 
 # Names of the parts of the picture, as found in ``LaunchView.dirty``.
 HEADER, RANKS, METRICS, MERGED_LOG, STACKS, SUMMARY = "header", "ranks", "metrics", "log:all", "stacks", "summary"
@@ -121,6 +124,8 @@ class LaunchView:
         self.placed: RanksPlaced | None = None  # where a cluster put the ranks
         self.waiting: ClusterWaiting | None = None  # why the cluster has not yet
         self.stall: Stalled | None = None  # who holds the others up, while no rank makes progress
+        self.step_book = StepBook()  # the ranks' steps, split (nblaunch.step_split)
+        self._live_steps: LaunchSteps | None = None  # the last LIVE steps' report, until more come
         self.dirty: set[str] = set()
 
     # -- overall ----------------------------------------------------------------------------
@@ -142,6 +147,14 @@ class LaunchView:
         log_dir = self.plan.log_dir if self.plan else None
         return f"{log_dir.rstrip('/')}/rank{rank}.log" if log_dir else None
 
+    def steps(self) -> LaunchSteps:
+        """The step split to show: the launch's own once it is over, else the ranks' last steps."""
+        if self.finished is not None and self.finished.steps is not None:
+            return self.finished.steps
+        if self._live_steps is None:
+            self._live_steps = self.step_book.report(recent=LIVE)
+        return self._live_steps
+
     # -- events -----------------------------------------------------------------------------
 
     def apply(self, event: Event, now: float) -> None:
@@ -153,6 +166,13 @@ class LaunchView:
         elif isinstance(event, Metrics):
             self._metrics(event)
             self.rank(event.rank).last_heard_t = now
+        elif isinstance(event, StepTimes):
+            self.step_book.add(event.rank, event.steps)
+            if event.note:
+                self.step_book.note(event.note)
+            self._live_steps = None
+            self.rank(event.rank).last_heard_t = now
+            self.dirty |= {RANKS, HEADER}
         elif isinstance(event, RankStarted):
             rank = self.rank(event.rank)
             rank.state, rank.pid, rank.started_t, rank.last_heard_t = RankState.RUNNING, event.pid, now, now
@@ -189,6 +209,7 @@ class LaunchView:
             self.dirty |= {RANKS, STACKS, SUMMARY}
         elif isinstance(event, LaunchStarted):
             self.plan, self.started_t = event, now
+            self.step_book.num_ranks = event.num_processes
             for r in range(event.num_processes):
                 self.rank(r)
             self.dirty |= {HEADER, RANKS}
@@ -214,6 +235,8 @@ class LaunchView:
     def _restart(self, event: LaunchRestarting) -> None:
         """Every rank starts again: fresh rank rows, the logs keep what came before."""
         self.restarted = event
+        self.step_book.clear()
+        self._live_steps = None
         line = f"--- {event.line} ---"
         for number, old in list(self.ranks.items()):
             fresh = self.ranks[number] = RankView(number, old.log)

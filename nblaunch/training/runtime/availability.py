@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import operator
+from typing import Any
 
 import torch
 from torch.torch_version import TorchVersion
@@ -28,7 +29,7 @@ __all__ = ["is_bf16_available", "is_fp16_available", "is_fp8_available", "is_cud
            "is_deepspeed_available", "is_bnb_available", "is_torch_version", "compare_versions",
            "is_rocm_available", "is_musa_available", "is_sdaa_available", "is_neuron_available", "is_habana_gaudi1",
            "is_weights_only_available", "is_torchdata_stateful_dataloader_available", "is_schedulefree_available",
-           "is_lomo_available", "is_pippy_available", "is_torchao_available"]
+           "is_lomo_available", "is_pippy_available", "is_torchao_available", "get_torch_accelerator_backend"]
 
 
 def _installed(name: str) -> bool:
@@ -37,6 +38,31 @@ def _installed(name: str) -> bool:
 
 def is_cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+_NATIVE = {"cuda": is_cuda_available, "mps": lambda: is_mps_available(), "xpu": lambda: is_xpu_available()}
+
+
+def get_torch_accelerator_backend(check_available: bool = True) -> tuple[str | None, Any]:
+    """The accelerator this machine computes on and torch's module for it (Accelerate's name):
+    ``("cuda", torch.cuda)``, ``("mps", torch.mps)``, ``("xpu", torch.xpu)``, another kind with
+    ``torch.accelerator``; ``(None, None)`` where there is none. ``check_available=False`` names
+    the kind this torch is built for without asking whether a device is there.
+
+    Example::
+
+        device_type, module = get_torch_accelerator_backend()   # (None, None) on a CPU machine
+    """
+    try:
+        device = torch.accelerator.current_accelerator()
+    except RuntimeError:  # torch 2.6 raises where a CPU-only build has none; later ones return None
+        device = None
+    if device is None:
+        return None, None
+    available = _NATIVE.get(device.type, torch.accelerator.is_available)
+    if check_available and not available():
+        return None, None
+    return device.type, torch.get_device_module(device.type) if device.type in _NATIVE else torch.accelerator
 
 
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
