@@ -37,68 +37,76 @@ from typing import Any, Iterator
 
 from nblaunch import wire
 from nblaunch.contract import variables
+from nblaunch.per_process import per_process
 from nblaunch.worker import channel
 
 REPORT_EVERY_S = 0.5  # the dashboard's pace
 _MAX_UNRESOLVED = 64  # GPU steps whose events have not completed; past it the oldest is waited for
 
-_counts: dict[str, list[int]] = {}  # kind -> [entered, left]
-_clock: StepClock | None = None
+class _ThisRank:
+    """This process's clock and counts: a forked child (a rank, a DataLoader worker) starts without
+    its parent's (``per_process``)."""
+
+    def __init__(self) -> None:
+        self.clock: StepClock | None = None
+        self.counts: dict[str, list[int]] = {}  # kind -> [entered, left]
+        self.depth = 0  # collectives inside collectives (pad_across_processes gathers) count once
+
+
+_here = per_process(_ThisRank)
 
 
 def entered(kind: str) -> None:
     """This rank entered a collective of ``kind`` ("gradient sync", "gather", ...)."""
-    _counts.setdefault(kind, [0, 0])[0] += 1
+    _here().counts.setdefault(kind, [0, 0])[0] += 1
 
 
 def left(kind: str) -> None:
-    _counts.setdefault(kind, [0, 0])[1] += 1
+    _here().counts.setdefault(kind, [0, 0])[1] += 1
 
 
 def counts() -> dict[str, tuple[int, int]]:
     """``{kind: (entered, left)}`` of every collective this rank counted."""
-    return {kind: (n[0], n[1]) for kind, n in _counts.items()}
-
-
-_depth = 0  # collectives inside collectives (pad_across_processes gathers) count once
+    return {kind: (n[0], n[1]) for kind, n in _here().counts.items()}
 
 
 @contextlib.contextmanager
 def collective(kind: str) -> Iterator[None]:
     """Around one of the Accelerator's collectives: counted, and its time is communication."""
-    global _depth
-    if _depth or not channel.in_launch():
+    here = _here()
+    if here.depth or not channel.in_launch():
         yield
         return
-    _depth += 1
+    here.depth += 1
     entered(kind)
     began = time.perf_counter()
     try:
         yield
     finally:
-        _depth -= 1
+        here.depth -= 1
         left(kind)
-        if _clock is not None:
-            _clock.collective(time.perf_counter() - began)
+        if here.clock is not None:
+            here.clock.collective(time.perf_counter() - began)
 
 
 def start(cuda: bool) -> StepClock | None:
     """The rank's clock, made by its first Accelerator (None outside a launch or turned off)."""
-    global _clock
-    if _clock is None and channel.in_launch() and os.environ.get(variables.STEP_SPLIT, "1") != "0":
-        _clock = StepClock(cuda)
-    return _clock
+    here = _here()
+    if here.clock is None and channel.in_launch() and os.environ.get(variables.STEP_SPLIT, "1") != "0":
+        here.clock = StepClock(cuda)
+    return here.clock
 
 
 def current() -> StepClock | None:
-    return _clock
+    return _here().clock
 
 
 def flush() -> None:
     """Send every step not yet sent (the rank's function or a warm call ended); never raises."""
     try:
-        if _clock is not None:
-            _clock.send(final=True)
+        clock = _here().clock
+        if clock is not None:
+            clock.send(final=True)
         elif channel.in_launch():
             _say_what_trained_unmeasured()
     except Exception:  # noqa: BLE001  a report of the steps must never fail the rank

@@ -170,3 +170,24 @@ def test_a_stalled_sync_is_named_by_count():
             launch.result()
     assert "rank 0 waits in its 7th gradient sync; rank 1 has entered 6, and is at" in verdicts[0], verdicts[0]
     assert "test_step_split.py" in verdicts[0]
+
+
+def test_a_rank_forked_from_a_process_with_a_clock_of_its_own_starts_without_it(monkeypatch):
+    # The test process itself inside a "launch" (a channel open, as some tests do), its clock made:
+    # a forked rank must neither inherit it (steps counted on, the switch ignored) nor its counts.
+    from nblaunch.worker import channel, step_clock
+
+    read_end, write_end = os.pipe()
+    channel.open_channel(write_end)
+    try:
+        assert step_clock.start(cuda=False) is not None
+        step_clock.entered("gather")
+    finally:
+        channel.close_channel()
+        os.close(read_end)
+        os.close(write_end)
+    monkeypatch.setenv("NBLAUNCH_STEP_SPLIT", "0")
+    launch = notebook_launcher(_train, num_processes=2, display="none", block=False)
+    assert launch.result() == [0, 1] and len(launch.steps) == 0
+    monkeypatch.delenv("NBLAUNCH_STEP_SPLIT")
+    assert _steps()[0].count == 40
