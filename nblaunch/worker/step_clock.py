@@ -171,8 +171,8 @@ class StepClock:
 
     def watch_forward(self, model: Any) -> None:
         """Time every forward of a prepared model (two hooks on the outermost module)."""
-        model.register_forward_pre_hook(lambda *_: self.forward_began())
-        model.register_forward_hook(lambda *_: self.forward_ended())
+        model.register_forward_pre_hook(_forward_began)
+        model.register_forward_hook(_forward_ended)
 
     def forward_began(self) -> None:
         self._begin(time.perf_counter())
@@ -264,6 +264,19 @@ class StepClock:
         """A warm call begins: its steps are counted from 1, as on every rank it runs on."""
         self.send(final=True)
         self._index, self._began, self._data, self._samples, self._comm_host, self._pairs = 0, None, 0.0, 0, 0.0, []
+
+
+def _forward_began(*_: Any) -> None:
+    # Module-level, not a closure: a model with its hooks still pickles (torch.save of a whole model).
+    clock = current()
+    if clock is not None:
+        clock.forward_began()
+
+
+def _forward_ended(*_: Any) -> None:
+    clock = current()
+    if clock is not None:
+        clock.forward_ended()
 
 
 _COMPUTE, _SYNC_WAIT, _OPTIMIZER = 0, 1, 2

@@ -191,3 +191,18 @@ def test_a_rank_forked_from_a_process_with_a_clock_of_its_own_starts_without_it(
     assert launch.result() == [0, 1] and len(launch.steps) == 0
     monkeypatch.delenv("NBLAUNCH_STEP_SPLIT")
     assert _steps()[0].count == 40
+
+
+def _saves_the_whole_model():
+    import copy
+    import io
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(2, 2))  # one process: the user's own module, timed
+    torch.save(accelerator.unwrap_model(model), io.BytesIO())
+    copy.deepcopy(model)
+    return "saved"
+
+
+def test_a_timed_model_still_pickles():
+    assert notebook_launcher(_saves_the_whole_model, num_processes=1, display="none") == ["saved"]
