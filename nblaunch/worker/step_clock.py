@@ -229,8 +229,7 @@ class StepClock:
     def _end_step(self) -> None:
         now = time.perf_counter()
         self._index += 1
-        assert self._began is not None
-        step = (self._index, now - self._began, self._data, self._samples, self._comm_host, self._pairs)
+        step = (self._index, now - (self._began or now), self._data, self._samples, self._comm_host, self._pairs)
         self._began, self._data, self._samples, self._comm_host, self._pairs = now, 0.0, 0, 0.0, []
         self._unresolved.append(step)
         self._resolve()

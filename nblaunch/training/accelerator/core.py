@@ -245,7 +245,8 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self.trackers = []
         self._accumulate_context = None
         channel.report_device(str(self.device), self.mixed_precision)  # the rank's row in the cell says it
-        step_clock.start(cuda=self.device.type == "cuda")  # the rank's steps, split (nblaunch.worker.step_clock)
+        if self.device.type != "xla":  # an XLA host runs its ranks as threads of one process: one clock would mix them
+            step_clock.start(cuda=self.device.type == "cuda")  # the rank's steps, split (nblaunch.worker.step_clock)
 
     def __repr__(self) -> str:
         return (f"Accelerator(process {self.process_index}/{self.num_processes}, device={self.device}, "
