@@ -107,7 +107,7 @@ def flush() -> None:
         clock = _here().clock
         if clock is not None:
             clock.send(final=True)
-        elif channel.in_launch():
+        elif channel.in_launch() and os.environ.get(variables.STEP_SPLIT, "1") != "0":
             _say_what_trained_unmeasured()
     except Exception:  # noqa: BLE001  a report of the steps must never fail the rank
         pass
@@ -119,13 +119,18 @@ def _say_what_trained_unmeasured() -> None:
     shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
     if shared:
         what = "accelerate's Accelerator (transformers' Trainer uses it)"
-    elif "lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
-        what = "Lightning's Trainer"
+    elif ("lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules) and _group_made():
+        what = "Lightning's Trainer"  # imported (perhaps by the kernel, before the fork) and a group made
     else:
         return
     note = (f"the step split needs nblaunch's Accelerator: these ranks trained through {what}; "
             "`from nblaunch import Accelerator` (the same names and semantics) measures every step")
     channel.send(wire.STEP_TIMES, pickle.dumps(([], note)))
+
+
+def _group_made() -> bool:
+    distributed = sys.modules.get("torch.distributed")
+    return bool(distributed is not None and distributed.is_available() and distributed.is_initialized())
 
 
 class StepClock:
