@@ -140,7 +140,7 @@ class TextDisplay:
             for rank, (values, step) in sorted(self._last_metrics.items()):
                 self._print_metrics(rank, values, step)  # the latest values are never skipped
             self._last_metrics.clear()
-            if event.steps is not None:
+            if event.steps is not None and event.state == RankState.DONE:  # a stop says only why (launch.steps keeps it)
                 self._print("nblaunch: " + str(event.steps).replace("\n", "\n  "))
             self._print(f"nblaunch: {event.summary}", "stdout" if event.state == RankState.DONE else "stderr")
 
