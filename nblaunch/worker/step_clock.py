@@ -151,7 +151,7 @@ class StepClock:
         self._owner: int | None = None  # id() of the optimizer whose step ends a training step
         self._unresolved: list[tuple[int, float, float, int, float, list]] = []
         self._ready: list[tuple] = []
-        self._sent_at = time.monotonic()
+        self._sent_at = time.perf_counter()
 
     def _mark(self) -> Any:
         if not self._cuda:
@@ -238,7 +238,7 @@ class StepClock:
         self._began, self._data, self._samples, self._comm_host, self._pairs = now, 0.0, 0, 0.0, []
         self._unresolved.append(step)
         self._resolve()
-        if time.monotonic() - self._sent_at >= REPORT_EVERY_S:
+        if now - self._sent_at >= REPORT_EVERY_S:
             self.send()
 
     def _resolve(self, wait: bool = False) -> None:
@@ -259,15 +259,11 @@ class StepClock:
 
     def send(self, final: bool = False) -> None:
         self._resolve(wait=final)
-        self._sent_at = time.monotonic()
+        self._sent_at = time.perf_counter()
         if self._ready:
             ready, self._ready = self._ready, []
             channel.send(wire.STEP_TIMES, pickle.dumps((ready, "")))
 
-    def restart(self) -> None:
-        """A warm call begins: its steps are counted from 1, as on every rank it runs on."""
-        self.send(final=True)
-        self._index, self._began, self._data, self._samples, self._comm_host, self._pairs = 0, None, 0.0, 0, 0.0, []
 
 
 def _forward_began(*_: Any) -> None:
