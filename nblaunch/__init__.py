@@ -15,7 +15,7 @@ Example::
     ranks.run(train)                            # [0, 1], on ranks that stay up for the next call
 """
 
-from nblaunch.api import Launch, attach, debug, debug_launcher, launches, notebook_launcher, preloaded
+from nblaunch.api import Launch, attach, debug, debug_launcher, last_steps, launches, notebook_launcher, preloaded
 from nblaunch.detached.detached_launch import DetachedLaunch, LaunchLostError
 from nblaunch.contract.failure import RankFailure, RemoteError
 from nblaunch.contract.version import __version__
@@ -80,6 +80,7 @@ __all__ = [
     "notebook_launcher",
     "launches",
     "attach",
+    "last_steps",
     "preloaded",
     "DetachedLaunch",
     "LaunchLostError",

@@ -21,6 +21,7 @@ from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.handle import Launch
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.starting.report import PreloadReport, preloaded_here
+from nblaunch.step_split import last_steps  # noqa: F401  (a public name: nblaunch.last_steps)
 from nblaunch.launch.post_mortem import debug  # noqa: F401  (a public name: nblaunch.debug)
 from nblaunch.warm.detached_pool import DetachedWarmRanks
 from nblaunch.warm.ranks import WarmRanks

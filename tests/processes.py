@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import psutil
@@ -20,3 +22,16 @@ def gone(pids: list[int], within: float) -> bool:
         except psutil.NoSuchProcess:
             pass  # it went between the look and the wait
     return False
+
+
+def stop_every_launch_in(state_dir: str) -> None:
+    """Cancel every detached launch (or pool) a test left in ``state_dir``, and wait for its supervisor."""
+    from nblaunch.detached.detached_launch import DetachedLaunch
+
+    root = os.path.join(state_dir, "detached")
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        state_file = os.path.join(root, name, "state.json")
+        if os.path.exists(state_file):
+            pid = json.load(open(state_file)).get("supervisor_pid")
+            if DetachedLaunch(os.path.join(root, name)).cancel() and pid:
+                psutil.wait_procs([psutil.Process(pid)] if psutil.pid_exists(pid) else [], timeout=30)

@@ -21,7 +21,8 @@ from typing import Any
 
 from nblaunch.detached.kept_launch import KeptInAFolder, KeptLaunch
 from nblaunch.display import make_display
-from nblaunch.events import LaunchFinished, RankState
+from nblaunch.events import LaunchFinished, RankState, StepTimes
+from nblaunch.step_split import LaunchSteps, StepBook
 
 __all__ = ["DetachedLaunch", "LaunchLostError"]
 
@@ -87,6 +88,18 @@ class DetachedLaunch:
         if kind == "error":
             raise value.with_traceback(None)
         return value
+
+    @property
+    def steps(self) -> LaunchSteps:
+        """Every rank's training steps split into their parts, as ``Launch.steps``, read from the
+        launch's folder: the whole launch's once it ended, else the steps its journal still keeps."""
+        book = StepBook(self.state()["num_processes"])
+        for event in self._place.reader().read_available():
+            if isinstance(event, LaunchFinished) and event.steps is not None:
+                return event.steps
+            if isinstance(event, StepTimes):
+                book.add(event.rank, event.steps)
+        return book.report()
 
     def cancel(self) -> bool:
         """Stop every rank (their stacks go to the logs); ``result()`` then raises

@@ -1,6 +1,6 @@
 """How the kernel starts a detached supervisor: :func:`start_supervisor` writes a job (any
 object with ``run(folder, stop_requested)``: a launch's, ``launch/local_cluster.LaunchJob``; warm
-ranks', ``warm/ranks.PoolJob``) to a new private folder (:func:`new_job_folder`) and starts
+ranks', ``warm/pool_job.PoolJob``) to a new private folder (:func:`new_job_folder`) and starts
 ``nblaunch.detached.daemon`` on it. A cluster that runs the supervisor elsewhere (a Slurm batch job)
 writes the folder with :func:`new_job_folder` and starts ``nblaunch.detached.daemon --here`` there.
 This folder knows nothing of what the jobs run.

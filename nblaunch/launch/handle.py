@@ -30,7 +30,7 @@ from nblaunch.launch.planning import ports
 from nblaunch.launch.planning.plan import LaunchPlan
 from nblaunch.launch.processes.packing import Payload
 from nblaunch.launch.cluster_interface import Cluster, RankWatcher
-from nblaunch.step_split import LaunchSteps, StepBook
+from nblaunch.step_split import LaunchSteps, StepBook, remember
 
 _STOP_AT_EXIT_S = 30.0  # backstop: stopping takes well under a second
 
@@ -172,8 +172,9 @@ class Launch:
         return f"{head}: {status}>"
 
     def reset_clock(self) -> float:
-        """Count the elapsed times shown from now on (a warm pool: from each call); returns that
-        moment (``time.monotonic()``)."""
+        """Count the elapsed times shown, and the steps, from now on (a warm pool: from each
+        call); returns that moment (``time.monotonic()``)."""
+        self._steps.clear()
         self._clock_start = time.monotonic()
         return self._clock_start
 
@@ -228,6 +229,8 @@ class Launch:
             self._steps.clear()  # the steps of the new start are counted afresh
         elif isinstance(event, LaunchFinished) and event.steps is None:
             report = self._steps.report()
+            if not getattr(self._display, "steps_per_call", False):  # a warm pool's are its calls'
+                remember(report)  # for nblaunch.last_steps(): a blocking launch returns only its results
             if report.ranks or report.notes:
                 event = dataclasses.replace(event, steps=report)  # every display ends with the same summary
         if isinstance(event, RankStarted):

@@ -4,7 +4,8 @@ the others up, and what the ranks buy together.
 Both ends agree on it here. A rank's clock (``nblaunch.worker.step_clock``) sends its steps as
 :data:`~nblaunch.step_split.book.StepRecord` tuples (``StepTimes`` events); a :class:`StepBook`
 on the launcher's side keeps them, lines the ranks' gradient syncs up and makes a
-:class:`LaunchSteps` report, which the handle returns (``launch.steps``) and the displays show.
+:class:`LaunchSteps` report, which the handle returns (``launch.steps``) and the displays show;
+the one of the launch that ended last stays for ``nblaunch.last_steps()`` (``latest``).
 
 Example::
 
@@ -17,6 +18,7 @@ Example::
 """
 
 from nblaunch.step_split.book import StepBook, StepRecord
+from nblaunch.step_split.latest import last_steps, remember
 from nblaunch.step_split.launch_steps import LaunchSteps, RankSteps
 
-__all__ = ["LaunchSteps", "RankSteps", "StepBook", "StepRecord"]
+__all__ = ["LaunchSteps", "RankSteps", "StepBook", "StepRecord", "last_steps", "remember"]

@@ -1,7 +1,7 @@
 """Reading the ranks' medians: who holds the others up and why, what the ranks buy, what to do.
 
 The straggler is the rank that arrives last at the gradient sync, by a margin (``LAG_SHARE`` of its
-step, at least ``LAG_MIN_S``): DDP's sync evens out the step times, so the arrival lag is what
+step, at least ``STRAGGLER_MIN_S``: two ranks sharing a CPU arrive a millisecond apart by chance): DDP's sync evens out the step times, so the arrival lag is what
 names a rank slow in computing. Why it is late is the part of its step before the sync that
 exceeds the others' most: its wait for data ("data"), or its forward, backward or own code
 ("compute"). Without a straggler, a launch is slow for one reason when communication or the wait
@@ -18,9 +18,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from nblaunch.step_split.launch_steps import LAG_MIN_S, RankSteps, ms
+from nblaunch.step_split.launch_steps import RankSteps, ms
 
-LAG_SHARE = 0.10
+LAG_SHARE = 0.15
+STRAGGLER_MIN_S = 0.002
 SLOW_SHARE = 0.25
 
 
@@ -53,7 +54,7 @@ def _straggler(ranks: dict[int, RankSteps]) -> int | None:
     if len(lagging) < 2:
         return None
     last = max(lagging, key=lambda r: r.arrival_lag or 0.0)
-    if (last.arrival_lag or 0.0) >= max(LAG_MIN_S, LAG_SHARE * last.step):
+    if (last.arrival_lag or 0.0) >= max(STRAGGLER_MIN_S, LAG_SHARE * last.step):
         return last.rank
     return None
 

@@ -10,7 +10,7 @@ starts fresh ranks.
 
 Example::
 
-    results = finish_call(call, settling, shown, elapsed, only=None, pool=warm_ranks)
+    results = finish_call(call, settling, shown, elapsed, only=None, steps=launch.steps, pool=warm_ranks)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from nblaunch.events import Display, LaunchFinished, RankFinished, RankStarted, RankState
 from nblaunch.launch.errors import LaunchCancelledError, LaunchInterrupted, RankFailedError
+from nblaunch.step_split import LaunchSteps
 from nblaunch.worker.warm import failed_frames
 
 _KEPT = "the warm ranks and what they hold stay"
@@ -40,12 +41,14 @@ def show_start(shown: Display, router: Any, function: Callable) -> None:
 
 
 def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: tuple[int, ...] | None,
-                pool: Any) -> list[Any]:
+                steps: LaunchSteps, pool: Any) -> list[Any]:
     """Show the call's end in ``shown``; return its values, or raise its error, which the
     debugger can ask about the failed ranks' live frames (``live_frames``). A rank whose GPU
     no longer works after its error (``RankFailure.device_lost``) ends the ``pool``: every
-    later cell would fail on it, and a process group cannot go on without one of its ranks."""
+    later cell would fail on it, and a process group cannot go on without one of its ranks.
+    ``steps``, the call's step split, ends every display with its summary."""
     ranks = [r for r in range(call.num_ranks) if only is None or r in only]
+    steps = steps if steps.ranks or steps.notes else None  # the summary every display ends with
     failures = {r: f for r, f in call.failures.items() if r in ranks}
     for rank in ranks:
         failure = failures.get(rank)
@@ -62,7 +65,8 @@ def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: 
                  "its backward pass" if settling.stop_step is not None else "each rank stopped where it was")
         error: BaseException = LaunchInterrupted(f"the cell was interrupted: {where}; {_KEPT}")
         shown.on_event(LaunchFinished(RankState.STOPPED, elapsed, error=error,
-                                      summary=f"interrupted after {elapsed:.2f} s: {where}; {_KEPT}"))
+                                      summary=f"interrupted after {elapsed:.2f} s: {where}; {_KEPT}",
+                                      steps=steps))
         raise error
     if failures:
         in_time_order = sorted(failures.values(), key=lambda f: f.failed_at or 0.0)
@@ -79,11 +83,13 @@ def finish_call(call: Any, settling: Any, shown: Display, elapsed: float, only: 
         else:
             error.live_frames = _live_frames(weakref.ref(pool))  # post_mortem asks them
         shown.on_event(LaunchFinished(RankState.FAILED, elapsed, error=error, root_cause_rank=root.rank,
-                                      summary=f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}; {after}"))
+                                      summary=f"rank {root.rank} failed after {elapsed:.2f} s: {root.reason}; {after}",
+                                      steps=steps))
         raise error
     results = [call.results[r] for r in ranks]
     shown.on_event(LaunchFinished(RankState.DONE, elapsed, results=results,
-                                  summary=f"{_ranks_done(ranks, call.num_ranks)} done in {elapsed:.3f} s (warm)"))
+                                  summary=f"{_ranks_done(ranks, call.num_ranks)} done in {elapsed:.3f} s (warm)",
+                                  steps=steps))
     return results
 
 

@@ -96,6 +96,8 @@ class Call:
 class CallRouter:
     """The pool launch's display: the plan and pids for every call, each call's events to it."""
 
+    steps_per_call = True  # the pool launch's steps are each call's (``WarmRanks.steps``), not the launch's
+
     def __init__(self, num_ranks: int) -> None:
         self._lock = threading.Lock()
         self._call: Call | None = None

@@ -27,10 +27,11 @@ from typing import Any, Callable
 from nblaunch.detached import call_socket, store
 from nblaunch.detached.jobs import start_supervisor
 from nblaunch.display import make_display
-from nblaunch.events import Display
+from nblaunch.events import Display, LaunchFinished
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
+from nblaunch.step_split import LaunchSteps
 from nblaunch.warm.call_router import CALL_DASHBOARD_AFTER_S
 
 __all__ = ["DetachedWarmRanks", "Relay"]
@@ -64,10 +65,11 @@ class DetachedWarmRanks:
         self.launch_id = os.path.basename(folder)
         self._display = display
         self._closed = False
+        self._steps = LaunchSteps()
 
     @classmethod
     def start(cls, job: Any, num_processes: int, display: str | Display) -> "DetachedWarmRanks":
-        """Start ``job`` (the pool's side, ``warm/ranks.PoolJob``, its request checked already)
+        """Start ``job`` (the pool's side, ``warm/pool_job.PoolJob``, its request checked already)
         under a supervisor of its own."""
         folder = start_supervisor(job, kind="pool", function="warm ranks", num_processes=num_processes)
         return cls(folder, display)
@@ -93,6 +95,11 @@ class DetachedWarmRanks:
     def request(self) -> Any:
         """The pool's ``LaunchRequest``, as the kernel that started it made it."""
         return store.read_job(self.folder).request
+
+    @property
+    def steps(self) -> LaunchSteps:
+        """The last call from this kernel: its training steps split, as ``WarmRanks.steps``."""
+        return self._steps
 
     @property
     def alive(self) -> bool:
@@ -172,6 +179,8 @@ class DetachedWarmRanks:
                 os.kill(self._state()["supervisor_pid"], signal.SIGINT)
                 continue
             if message[0] == "event":
+                if isinstance(message[1], LaunchFinished):  # the call's end carries its steps
+                    self._steps = message[1].steps or LaunchSteps()
                 shown.on_event(message[1])
             else:
                 return message

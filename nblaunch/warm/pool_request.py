@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from nblaunch.clusters import cluster_class, open_cluster
 from nblaunch.launch.errors import LaunchConfigError
@@ -38,3 +38,14 @@ def pool_request(num_processes: Any, mixed_precision: Any, use_port: Any, start_
                                 "cluster='slurm', "
                                 f"or leave num_nodes out (got num_nodes={num_nodes!r})")
     return request
+
+
+def checked_ranks(ranks: Sequence[int] | None, num_ranks: int) -> tuple[int, ...] | None:
+    """``ranks`` as a call takes them (sorted, once each), or LaunchConfigError naming the valid ones."""
+    if ranks is None:
+        return None
+    if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks) \
+            or not ranks or any(not 0 <= r < num_ranks for r in ranks):
+        raise LaunchConfigError(f"ranks must name ranks of this pool, 0 to {num_ranks - 1} ({num_ranks} ranks), "
+                                f"got {ranks!r}")
+    return tuple(sorted(set(ranks)))

@@ -15,17 +15,13 @@ import atexit
 import contextlib
 import dataclasses
 import itertools
-import os
-import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
 from typing import Any, Callable, Sequence
 
 from nblaunch import wire
-from nblaunch.detached import call_socket, store
 from nblaunch.display import make_display
 from nblaunch.events import Display, RankState
 from nblaunch.clusters import cluster_class
@@ -36,10 +32,12 @@ from nblaunch.launch.planning import pickling
 from nblaunch.launch.planning.request import STALL_AFTER_S, LaunchRequest
 from nblaunch.launch.processes import fdtable
 from nblaunch.launch.processes.packing import Payload
+from nblaunch.step_split import LaunchSteps, remember
 from nblaunch.warm.call_outcome import finish_call, raise_how_the_pool_ended, show_start
 from nblaunch.warm.call_router import CALL_DASHBOARD_AFTER_S, CallRouter, CallTimedOut
-from nblaunch.warm.detached_pool import DetachedWarmRanks, Relay
-from nblaunch.warm.pool_request import pool_cluster, pool_request
+from nblaunch.warm.detached_pool import DetachedWarmRanks
+from nblaunch.warm.pool_job import PoolJob
+from nblaunch.warm.pool_request import checked_ranks, pool_cluster, pool_request
 from nblaunch.warm.settling import Presses, Settling
 from nblaunch.worker.warm.group import reform_group
 
@@ -88,7 +86,7 @@ class WarmRanks:
             raise LaunchConfigError(f"detach=True keeps warm ranks on this machine: leave cluster={cluster!r} out "
                                     "(detached warm ranks on a cluster are not supported yet)")
         num_processes = pool_cluster(request).plan.num_processes  # bad input is refused here; nothing starts
-        return DetachedWarmRanks.start(PoolJob(request), num_processes, display)
+        return DetachedWarmRanks.start(PoolJob(request, WarmRanks.from_request), num_processes, display)
 
     @classmethod
     def attach(cls, launch_id: str | None = None, display: str | Display = "auto") -> DetachedWarmRanks:
@@ -124,6 +122,7 @@ class WarmRanks:
         self._one_call = threading.Lock()
         self._ended_with: str | None = None  # why the last pool ended, said once by the next call
         self._closed = False
+        self._steps = LaunchSteps()  # the last call's (none yet)
         _pools.add(self)
 
     # -- the pool ------------------------------------------------------------------------
@@ -170,13 +169,13 @@ class WarmRanks:
 
     def checked_ranks(self, ranks: Sequence[int] | None) -> tuple[int, ...] | None:
         """``ranks`` as a call takes them, or LaunchConfigError naming the valid ones."""
-        if ranks is None:
-            return None
-        n = self._num_ranks
-        if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks) \
-                or not ranks or any(not 0 <= r < n for r in ranks):
-            raise LaunchConfigError(f"ranks must name ranks of this pool, 0 to {n - 1} ({n} ranks), got {ranks!r}")
-        return tuple(sorted(set(ranks)))
+        return checked_ranks(ranks, self._num_ranks)
+
+    @property
+    def steps(self) -> LaunchSteps:
+        """The last call's training steps, split into their parts, as ``Launch.steps`` has a
+        launch's: ``ranks.steps[1].data``, ``ranks.steps.straggler``, ``print(ranks.steps)``."""
+        return self._steps
 
     def close(self) -> None:
         """Let the ranks leave (their process group goes with them). Safe to call twice."""
@@ -224,10 +223,11 @@ class WarmRanks:
                     raise_how_the_pool_ended(launch, settling, self._num_ranks, _CLOSE_S)
             finally:
                 router.end(call)
+                steps = self._keep_steps(function, launch)
             # Interrupted: the cell ends with that; a press after the ranks came back (the stop
             # button pressed twice) must not cut its report or the group's re-forming short.
             try:
-                return finish_call(call, settling, shown, time.monotonic() - started, only, pool=self)
+                return finish_call(call, settling, shown, time.monotonic() - started, only, steps, pool=self)
             finally:
                 shown.close()
                 if settling.released and self._ended_with is None:  # each rank re-forms its group where it released it
@@ -263,6 +263,15 @@ class WarmRanks:
                 launch.cancel(LaunchTimeoutError(timeout or 0.0, {}))
         if presses.take():  # it came as the ranks finished: the cell is interrupted all the same
             settling.interrupted = True
+
+    def _keep_steps(self, function: Callable, launch: Launch) -> LaunchSteps:
+        """The call's steps (the launch's clock was reset for it), kept for ``steps`` and
+        ``nblaunch.last_steps()`` where the call was the user's: not the debugger's, nor ours."""
+        steps = launch.steps
+        if function is not reform_group and not getattr(function, "keeps_failed_frames", False):
+            self._steps = steps
+            remember(steps)
+        return steps
 
     def end_with(self, why: str) -> None:
         """End the ranks now; the next call says ``why`` once, and starts fresh ones."""
@@ -323,69 +332,6 @@ class WarmRanks:
         except Exception:
             pickling.check_picklable(function, args)  # names the culprit
             raise
-
-
-@dataclasses.dataclass
-class PoolJob:
-    """What the supervisor of detached warm ranks runs: an ordinary WarmRanks, and the calls
-    kernels send it one at a time (``nblaunch.detached.call_socket``), each shown in the calling
-    kernel's cell. A caller is told "ready" when its turn comes, so one that waits (another
-    kernel's call runs) and gives up is never served. A kernel that goes away mid-call leaves the
-    call running; a call that cannot be read here is refused; neither ends the ranks."""
-
-    request: LaunchRequest  # the pool's, as WarmRanks made it in the kernel
-
-    def run(self, folder: str, stop_requested: threading.Event) -> None:
-        pool = WarmRanks.from_request(self.request)
-        server = call_socket.listen(os.path.basename(folder))
-        store.write_state(folder, status="running")
-        signal.signal(signal.SIGTERM, lambda *_: self._stop(pool, folder))
-        if stop_requested.is_set():
-            self._stop(pool, folder)
-        while True:
-            try:
-                connection = call_socket.accept(server)
-                if connection is None:
-                    continue
-                with connection:
-                    call_socket.send(connection, ("ready",))
-                    if self._serve(pool, connection) == "closed":
-                        store.finish(folder, "done", ("ok", None))  # before the answer: the caller sees it ended
-                        call_socket.send(connection, ("closed",))
-                        return
-            except (KeyboardInterrupt, call_socket.ChannelClosed):
-                continue  # an interrupt for a call already over, or a kernel gone: wait for the next
-            except Exception:  # a bug of ours must not end what the ranks hold: logged, then the next caller
-                traceback.print_exc()
-
-    @staticmethod
-    def _serve(pool: "WarmRanks", connection: Any) -> str:
-        try:
-            request = call_socket.receive(connection)
-        except call_socket.ChannelUnreadable as error:
-            call_socket.send(connection, ("raised", LaunchConfigError(
-                f"the detached warm ranks could not read this call ({error}): they run with the folder and "
-                "sys.path of the kernel that started them; define the function in the notebook, or put its "
-                "module where that kernel would find it")))
-            return "served"
-        if request[0] == "close":
-            pool.close()
-            return "closed"
-        _, function, args, timeout = request
-        relay = Relay(connection)
-        try:
-            outcome = ("done", pool.run(function, *args, timeout=timeout, display=relay))
-        except BaseException as error:  # the pool's own errors: a rank failed, a timeout, an interrupt
-            outcome = ("raised", error)
-        if relay.connected:
-            call_socket.send(connection, outcome)
-        return "served"
-
-    @staticmethod
-    def _stop(pool: "WarmRanks", folder: str) -> None:
-        pool.close()
-        store.finish(folder, "cancelled", ("ok", None))
-        os._exit(0)
 
 
 _pools: "weakref.WeakSet[WarmRanks]" = weakref.WeakSet()

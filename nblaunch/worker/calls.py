@@ -19,7 +19,8 @@ since the ranks left out would never join them. The launcher's other requests du
 The ranks form their process group before the first call (``pool.group``). Every call starts
 with a clean training state: the process group stays, user objects stay
 (in the namespace of :func:`run_code` and in whatever the functions keep), but an interrupted
-loop's bookkeeping (the active DataLoader, accumulation counters) does not carry over.
+loop's bookkeeping (the active DataLoader, accumulation counters) does not carry over. Its training
+steps are the call's own (``step_clock.begin_call``), sent before its answer.
 
 Example (what ``WarmRanks.run(f, 3)`` makes a rank do)::
 
@@ -39,7 +40,7 @@ from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.contract import variables as v
-from nblaunch.worker import channel, payload
+from nblaunch.worker import channel, payload, step_clock
 from nblaunch.worker.warm import cell_stop, device_check, failed_frames, group
 from nblaunch.worker.warm.subset_guard import collectives_refused
 from nblaunch.worker.reports import describe, failure_record
@@ -103,11 +104,13 @@ def _serve_one(rank: int, body: bytes, shared: tuple[dict[int, int], list] | Non
         for hook in _before_each_call:
             hook()
         cell_stop.begin_call(call_id)
+        step_clock.begin_call()
         try:
             with collectives_refused(only):
                 result = function(*args)
         finally:
             cell_stop.end_call()
+            step_clock.flush()  # the cell's last steps, before its answer
         flush_streams()
         reply = _reply(call_id, result)
     except BaseException as error:  # SystemExit too: a cell's exit is its own, not the rank's

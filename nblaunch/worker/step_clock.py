@@ -101,6 +101,15 @@ def current() -> StepClock | None:
     return _here().clock
 
 
+def begin_call() -> None:
+    """A warm rank begins a call: its steps and counts are the cell's own, numbered from one
+    (the step left unfinished by the last cell, and the time between cells, are no step)."""
+    here = _here()
+    here.counts = {}
+    if here.clock is not None:
+        here.clock = StepClock(here.clock.cuda)
+
+
 def flush() -> None:
     """Send every step not yet sent (the rank's function or a warm call ended); never raises."""
     try:
@@ -137,7 +146,7 @@ class StepClock:
     """The parts of the step under way, and the steps measured but not yet sent."""
 
     def __init__(self, cuda: bool) -> None:
-        self._cuda = cuda
+        self.cuda = cuda
         self._index = 0
         self._began: float | None = None  # the step under way began (host clock)
         self._data = 0.0
@@ -154,7 +163,7 @@ class StepClock:
         self._sent_at = time.perf_counter()
 
     def _mark(self) -> Any:
-        if not self._cuda:
+        if not self.cuda:
             return time.perf_counter()
         import torch  # deferred: the worker side never imports torch itself
 
@@ -244,13 +253,13 @@ class StepClock:
     def _resolve(self, wait: bool = False) -> None:
         while self._unresolved:
             index, step, data, samples, comm, pairs = self._unresolved[0]
-            if self._cuda and not (wait or len(self._unresolved) > _MAX_UNRESOLVED or _complete(pairs)):
+            if self.cuda and not (wait or len(self._unresolved) > _MAX_UNRESOLVED or _complete(pairs)):
                 break
             self._unresolved.pop(0)
             parts = [0.0, 0.0, 0.0]
             sync_wait = -1.0
             for part, a, b in pairs:
-                seconds = b - a if not self._cuda else _elapsed(a, b)
+                seconds = b - a if not self.cuda else _elapsed(a, b)
                 parts[part] += seconds
                 if part == _SYNC_WAIT:
                     sync_wait = max(sync_wait, 0.0) + seconds

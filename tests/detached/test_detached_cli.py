@@ -31,7 +31,7 @@ def _nblaunch(*args: str, **popen) -> subprocess.Popen:
 
 @pytest.fixture
 def state_dir(tmp_path, monkeypatch):
-    from test_detached_kernels import stop_every_launch_in
+    from processes import stop_every_launch_in
 
     monkeypatch.setenv("NBLAUNCH_STATE_DIR", str(tmp_path / "state"))
     yield str(tmp_path / "state")

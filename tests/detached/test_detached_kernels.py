@@ -20,6 +20,7 @@ from jupyter_client.manager import KernelManager  # noqa: E402
 from nblaunch import attach  # noqa: E402
 from nblaunch.detached.journal import JournalReader  # noqa: E402
 from nblaunch.events import Output, RankStarted  # noqa: E402
+from processes import stop_every_launch_in  # noqa: E402,F401  (the detached tests' cleanup)
 
 TRAIN = '''
 from nblaunch import notebook_launcher
@@ -81,18 +82,6 @@ def state_dir(tmp_path):
     folder = str(tmp_path / "state")
     yield folder
     stop_every_launch_in(folder)
-
-
-def stop_every_launch_in(state_dir: str) -> None:
-    from nblaunch.detached.detached_launch import DetachedLaunch
-
-    root = os.path.join(state_dir, "detached")
-    for name in os.listdir(root) if os.path.isdir(root) else ():
-        state_file = os.path.join(root, name, "state.json")
-        if os.path.exists(state_file):
-            pid = json.load(open(state_file)).get("supervisor_pid")
-            if DetachedLaunch(os.path.join(root, name)).cancel() and pid:
-                psutil.wait_procs([psutil.Process(pid)] if psutil.pid_exists(pid) else [], timeout=30)
 
 
 def _folder(state_dir: str, launch_id: str) -> str:

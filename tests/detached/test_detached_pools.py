@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from nblaunch import WarmRanks
-from test_detached_kernels import Kernel, _state, stop_every_launch_in
+from processes import stop_every_launch_in
+from test_detached_kernels import Kernel, _state
 
 CELL = "%%distributed -n 2 --detach\nimport os, torch\nkept = torch.full((2,), float(os.environ['RANK']))\nos.getpid()"
 
