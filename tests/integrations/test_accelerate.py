@@ -9,6 +9,7 @@ accelerate = pytest.importorskip("accelerate")
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import nblaunch
 from nblaunch import notebook_launcher
 
 NUM_EXAMPLES = 32
@@ -61,6 +62,12 @@ def test_accelerates_accelerator_trains_with_ddp_on_two_cpu_ranks(start_method):
     results = notebook_launcher(accelerate_loop, num_processes=2, start_method=start_method, display="none")
     check_real_ddp(results)
     assert results[0]["dtypes"] == {"torch.float32"}
+    # Its steps go through Accelerate's own pieces: the launch says, once, what would split them.
+    steps = nblaunch.last_steps()
+    assert not steps.ranks and steps.notes == (
+        "the step split needs nblaunch's Accelerator: these ranks trained through accelerate's Accelerator "
+        "(transformers' Trainer uses it); `from nblaunch import Accelerator` (the same names and semantics) "
+        "measures every step",), str(steps)
 
 
 def test_bf16_given_to_the_launcher_reaches_accelerates_accelerator():

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
+import nblaunch
 from nblaunch import RankFailedError, notebook_launcher
 from nblaunch.events import Metrics, Output, Progress
 
@@ -60,6 +61,8 @@ def test_a_lightning_trainer_joins_the_launchs_ranks_and_trains_data_parallel():
     # 64 examples in batches of 8, shared by 2 ranks: 4 steps each, one world of 2.
     assert [r[:3] for r in results] == [(2, 0, 4), (2, 1, 4)]
     assert torch.equal(results[0][3], results[1][3])  # DDP kept the replicas equal
+    steps = nblaunch.last_steps()  # Lightning's own loop: the launch says, once, what would split its steps
+    assert not steps.ranks and len(steps.notes) == 1 and "through Lightning's Trainer" in steps.notes[0], str(steps)
 
 
 def test_ranks_forked_from_an_interactive_kernel_are_not_interactive_to_lightning(monkeypatch):
