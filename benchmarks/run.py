@@ -4,7 +4,8 @@ Each measurement runs in a subprocess of its own with a hard time limit (its pro
 killed past it), so one failure or hang does not poison the others. Results go to
 ``benchmarks/results/latest.json`` and ``latest.md`` (or ``--out DIR``).
 
-Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm, rerun, sweep (default: all).
+Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm, rerun, sweep, compile,
+split (default: all).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ MEASUREMENTS = {
               "in one cell", 600),
     "compile": ("benchmarks.m_compile:run", "14. Compiled re-runs: a model compiled with Inductor, 2 ranks, launched "
                 "again in the same interpreter and after a restart", 900),
+    "split": ("benchmarks.m_split:run", "15. The step split's cost: DDP steps/s inside a launch with the split on "
+              "and off, beside raw torch and Accelerate", 420),
 }
 
 

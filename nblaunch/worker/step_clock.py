@@ -2,13 +2,14 @@
 
 The Accelerator starts it (:func:`start`) and the pieces of a training loop it prepared tell it
 what they do: the prepared DataLoader how long the rank waited for a batch, the prepared model
-when its forward began and ended, ``accelerator.backward`` its backward, DDP's communication hook
-when a gradient bucket was handed to the all-reduce, the prepared optimizer its step (the end of a
-training step: with accumulation, one step is one optimizer step), the Accelerator's collectives
-their time. From those each step is a ``StepRecord`` (``nblaunch.step_split.book``): data, compute
-(forward and backward up to the last bucket handed over), communication (from then to the end of
-the backward -- what the compute did not hide -- and the collectives), the optimizer, and the
-whole step; sent about twice a second and at the end (:func:`flush`).
+when its forward began and ended, ``accelerator.backward`` its backward and, from inside it, when
+its last gradient was computed (where DDP syncs: see ``StepClock.backward_began``), the prepared
+optimizer its step (the end of a training step: with accumulation, one step is one optimizer
+step), the Accelerator's collectives their time. From those each step is a ``StepRecord``
+(``nblaunch.step_split.book``): data, compute (forward, and backward up to its last gradient),
+communication (from then to the end of the backward -- the all-reduce the compute did not hide --
+and the collectives), the optimizer, and the whole step; sent about twice a second and at the end
+(:func:`flush`).
 
 On the CPU every mark is the monotonic clock. On a GPU the compute, the sync and the optimizer are
 CUDA events on the current stream, read when they have completed -- a step or two late, never by
@@ -155,7 +156,7 @@ class StepClock:
         self._pairs: list[tuple[int, Any, Any]] = []  # (part, from mark, to mark) of this step
         self._forward: Any = None
         self._backward: Any = None
-        self._launched: Any = None  # the last gradient bucket handed to the sync in this backward
+        self._launched: Any = None  # the backward's compute ended (its sync under way)
         self._optimizer: Any = None
         self._owner: int | None = None  # id() of the optimizer whose step ends a training step
         self._unresolved: list[tuple[int, float, float, int, float, list]] = []
@@ -197,17 +198,25 @@ class StepClock:
             self._pairs.append((_COMPUTE, self._forward, self._mark()))
             self._forward = None
 
-    def backward_began(self) -> None:
+    def backward_began(self, loss: Any, syncing: bool) -> None:
+        """``loss.backward()`` is about to run; ``syncing``: DDP all-reduces the gradients in it.
+
+        Then the end of the backward's compute is marked from inside it: the first node to run
+        (the loss's) queues a callback at the end of the autograd graph, ahead of the one DDP
+        queues once its last bucket is handed to the all-reduce, which waits for the sync. DDP's
+        own all-reduce stays in C++ (a Python communication hook would cost each bucket more
+        than the whole clock costs a step)."""
         self._begin(time.perf_counter())
         self._backward, self._launched = self._mark(), None
+        grad_fn = getattr(loss, "grad_fn", None)
+        if syncing and grad_fn is not None:
+            grad_fn.register_prehook(_queue_compute_ended)
 
-    def bucket_launched(self) -> None:
-        """DDP handed a bucket of gradients to the all-reduce (from its communication hook)."""
-        if self._backward is None:
-            return
-        if self._launched is None:
+    def compute_ended(self) -> None:
+        """The backward's last gradient is computed: what is left of it is the gradient sync."""
+        if self._backward is not None and self._launched is None:
             entered(_SYNC)
-        self._launched = self._mark()
+            self._launched = self._mark()
 
     def backward_ended(self) -> None:
         began, launched, self._backward, self._launched = self._backward, self._launched, None, None
@@ -286,6 +295,18 @@ def _forward_ended(*_: Any) -> None:
     clock = current()
     if clock is not None:
         clock.forward_ended()
+
+
+def _queue_compute_ended(*_: Any) -> None:
+    import torch  # deferred: the worker side never imports torch itself (a backward runs: it is loaded)
+
+    torch.autograd.Variable._execution_engine.queue_callback(_compute_ended)
+
+
+def _compute_ended() -> None:
+    clock = current()
+    if clock is not None:
+        clock.compute_ended()
 
 
 _COMPUTE, _SYNC_WAIT, _OPTIMIZER = 0, 1, 2

@@ -46,10 +46,12 @@ class Spins(torch.nn.Module):
 
 
 def _train(delay: float = 0.0, spin: float = 0.0, width: int = 64, batch_size: int = 8, accumulate: int = 1,
-           length: int = 640):
+           length: int = 640, square_layers: int = 0):
     accelerator = Accelerator(gradient_accumulation_steps=accumulate)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Spins(spin), torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+    squares = [layer for _ in range(square_layers) for layer in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    model = torch.nn.Sequential(Spins(spin), torch.nn.Linear(16, width), torch.nn.ReLU(), *squares,
+                                torch.nn.Linear(width, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Items(length, delay), batch_size=batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -99,7 +101,7 @@ def test_balanced_ranks_have_no_straggler():
 
 
 def test_a_big_model_with_a_tiny_batch_spends_its_step_communicating():
-    steps = _steps(0.0, 0.0, 1536, 1, 1, 24)  # 2.4M parameters, one sample a step
+    steps = _steps(0.0, 0.0, 1536, 1, 1, 24, 1)  # 2.4M parameters (a 1536-square layer), one sample a step
     for rank in steps:
         assert max(rank.parts(), key=lambda part: rank.parts()[part]) == "communication", str(steps)
     assert steps.cause == "communication" and steps.straggler is None, str(steps)

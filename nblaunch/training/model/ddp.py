@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nblaunch.training.options.kwargs import DDPCommunicationHookType, DistributedDataParallelKwargs
-from nblaunch.worker import step_clock
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, options: DistributedDataParallelKwargs) -> DistributedDataParallel:
@@ -25,12 +23,7 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, options: DistributedD
     if hook is DDPCommunicationHookType.NO:
         if wrapper is not DDPCommunicationHookType.NO:
             raise ValueError("comm_wrapper needs a comm_hook (POWER_SGD or BATCHED_POWER_SGD) to wrap")
-        clock = step_clock.current()
-        if clock is not None:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # deferred: ~3 ms
-
-            timed_sync(ddp, clock, None, default_hooks.allreduce_hook)
-        return ddp
+        return ddp  # DDP's own all-reduce, in C++: the step clock times it from the backward (step_clock)
     # deferred: only a configured hook needs them (~3 ms to import)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -47,32 +40,5 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, options: DistributedD
         function = default_hooks.fp16_compress_wrapper(function)
     elif wrapper is DDPCommunicationHookType.BF16:
         function = default_hooks.bf16_compress_wrapper(function)
-    clock = step_clock.current()
-    if clock is not None:
-        timed_sync(ddp, clock, state, function)
-    else:
-        ddp.register_comm_hook(state, function)
+    ddp.register_comm_hook(state, function)
     return ddp
-
-
-def timed_sync(ddp: DistributedDataParallel, clock: Any, state: Any, hook: Callable) -> None:
-    """Register ``hook`` so that the clock sees each gradient bucket handed to the sync (the end of
-    the backward's compute for the last one), and keep ``ddp.register_comm_hook`` working: a hook
-    the user registers afterwards replaces ``hook`` behind the timing, where DDP would refuse a
-    second one."""
-    inner = [state, hook]
-
-    def timed(_, bucket):  # unannotated: DDP checks a hook's annotations against its own classes
-        clock.bucket_launched()
-        return inner[1](inner[0], bucket)
-
-    ddp.register_comm_hook(None, timed)
-    registered = [False]
-
-    def register_comm_hook(state: object, hook: Callable) -> None:
-        if registered[0]:
-            raise RuntimeError("register_comm_hook must only be called once (as DistributedDataParallel says)")
-        registered[0] = True
-        inner[:] = [state, hook]
-
-    ddp.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
