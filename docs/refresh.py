@@ -2,7 +2,8 @@
 
 1. README's two pictures, taken by the real-browser tests (JupyterLab in headless Chromium, see
    tests/display): ``docs/images/dashboard.png`` (a launch running) and ``failure.png`` (a
-   failed launch, as the saved notebook keeps it).
+   failed launch, as the saved notebook keeps it), ``step_split.png`` (each rank's step split live, the
+   starved rank named) and ``step_split_summary.png`` (the same launch's end).
 2. The notebooks of ``SAVED_WITH_OUTPUTS`` (the quickstart, the move from Accelerate, what goes
    wrong) run top to bottom in a real kernel and saved with their outputs, so a visitor on GitHub
    sees the summaries.
@@ -29,13 +30,15 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
-IMAGES = {"widget_demo_dashboard.png": "dashboard.png", "scenario_failed_cell.png": "failure.png"}
+IMAGES = {"widget_demo_dashboard.png": "dashboard.png", "scenario_failed_cell.png": "failure.png",
+          "scenario_split_running_cell.png": "step_split.png", "scenario_split_finished_cell.png": "step_split_summary.png"}
 SAVED_WITH_OUTPUTS = ["01_quickstart.ipynb", "02_from_accelerate.ipynb", "03_when_things_go_wrong.ipynb"]
 
 
 def refresh_images() -> None:
     tests = ["tests/display/test_browser.py::test_the_dashboard_renders_and_follows_the_launch_in_jupyterlab",
-             "tests/display/test_browser_scenarios.py::test_a_failed_launch_shows_the_error_once_without_launcher_paths"]
+             "tests/display/test_browser_scenarios.py::test_a_failed_launch_shows_the_error_once_without_launcher_paths",
+             "tests/display/test_browser_scenarios.py::test_the_step_split_shows_live_in_each_rank_row_and_names_the_starved_rank"]
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, check=True,
                    env=dict(os.environ, CI="1"))
     for taken, name in IMAGES.items():

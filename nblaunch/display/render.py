@@ -137,7 +137,7 @@ def ranks_html(view: LaunchView, now: float) -> str:
     split = {r.rank: step_view.split_cell(steps.ranks.get(r.rank), full) for r in ranks} if steps.ranks else None
     rows = "".join(_rank_row(rank, now, with_bars, with_devices, view.finished is None, split) for rank in ranks)
     names = (("rank", "state", "elapsed") + (("device",) if with_devices else ()) + (("progress",) if with_bars else ())
-             + (("step",) if split else ()) + ("last line",))
+             + (("step",) if split and not with_bars else ()) + ("last line",))
     head = "".join(f'<th style="{_CELL} font-weight: 600; white-space: nowrap">{name}</th>' for name in names)
     return (
         f'<div class="nbl-ranks-box" style="overflow-x: auto; max-width: 100%">'
@@ -175,13 +175,16 @@ def _rank_row(rank: RankView, now: float, with_bars: bool, with_devices: bool, l
     state = badge(rank.state)
     if running:
         state = _stale_mark(state)
+    # The step split is one more line under the rank's progress bars (a column of its own beside
+    # them made the table wider than a notebook's cell), its own column where there are none.
+    step = split[rank.rank] if split is not None else ""
     progress = ""
     if with_bars:
         bars = "".join(_bar(bar, rank_colour(rank.rank), running) for bar in rank.shown_bars())
-        progress = f'<td style="{_CELL} width: 1%">{bars}</td>'
+        progress = f'<td style="{_CELL} width: 1%">{bars}{step}</td>'
+    elif split is not None:
+        progress = f'<td class="nbl-step" style="{_CELL} width: 1%">{step}</td>'
     device = f'<td class="nbl-device" style="{_CELL} width: 1%; white-space: nowrap">{_device(rank)}</td>' if with_devices else ""
-    if split is not None:  # the step split: after the progress, before the last line
-        progress += f'<td class="nbl-step" style="{_CELL} width: 1%">{split[rank.rank]}</td>'
 
     return (
         f'<tr class="nbl-rank" data-rank="{rank.rank}" data-state="{rank.state.value}">'

@@ -19,7 +19,7 @@ from nblaunch.step_split.launch_steps import ms, rank_line
 
 PART_COLOURS = {"data": "#e67e22", "compute": "#2ca02c", "communication": "#d62728", "optimizer": "#9467bd",
                 "other": "#9e9e9e"}
-BAR_PX = 140
+BAR_PX = 120  # as wide as a progress bar's track, which it sits under
 
 
 def widest(report: LaunchSteps) -> float:
@@ -28,7 +28,8 @@ def widest(report: LaunchSteps) -> float:
 
 
 def split_cell(steps: RankSteps | None, full: float) -> str:
-    """A rank's step: the stacked bar, its length and the biggest part, every part in the tooltip."""
+    """A rank's step: the stacked bar, the step's length and its biggest part (every part in the
+    tooltip), laid out as a progress bar is (``render._bar``), so it sits under the rank's bars."""
     if steps is None or full <= 0:
         return ""
     segments = "".join(
@@ -37,9 +38,11 @@ def split_cell(steps: RankSteps | None, full: float) -> str:
         for name, value in steps.parts().items())
     largest = max(steps.parts(), key=lambda p: steps.parts()[p])
     tip = escape(rank_line(steps))
-    return (f'<div class="nbl-split" data-step="{steps.step:.6f}" title="{tip}" style="white-space: nowrap">'
-            f'<span style="display: inline-block; width: {BAR_PX}px; line-height: 9px">{segments}</span>'
-            f' {ms(steps.step)} <span style="opacity: 0.7">· {largest} {ms(steps.parts()[largest])}</span></div>')
+    return (f'<div class="nbl-split" data-step="{steps.step:.6f}" title="{tip}" style="white-space: nowrap; '
+            f'margin: 1px 0"><span style="display: inline-block; width: {BAR_PX}px; height: 9px; overflow: hidden; '
+            f'margin-right: 8px; vertical-align: middle; line-height: 9px">{segments}</span>'
+            f'<span style="vertical-align: middle">step {ms(steps.step)} · '
+            f'<span style="color: {PART_COLOURS[largest]}">{largest} {ms(steps.parts()[largest])}</span></span></div>')
 
 
 def legend_html() -> str:

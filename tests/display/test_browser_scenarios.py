@@ -6,6 +6,8 @@ ones from running) and takes screenshots into artifacts/:
 * ``running``: a long launch part-way (a 65-character progress description, 220-character
   lines, a loss over many decades);
 * ``finished``: the same cell once the launch is over;
+* ``split_running`` and ``split_finished``: rank 1 waits for its data each step: each rank's step
+  split in its row, the header naming rank 1, the summary;
 * ``failed``: rank 1 raises ValueError from a helper, rank 0 is stopped;
 * ``interrupted``: the kernel is interrupted while both ranks run;
 * ``nonblocking_running`` and ``nonblocking_finished``: ``block=False``, then ``launch.result()``.
@@ -85,6 +87,10 @@ BAR_PART_WAY = f"""(id) => [...{_in_cell('.nblaunch-dashboard .nbl-bar')}].some(
 }})"""
 BOTH_RANKS_RUNNING = f"(id) => {_in_cell('.nblaunch-dashboard tr.nbl-rank[data-state=running]')}.length === 2"
 HAS_SUMMARY = f"(id) => {_in_cell('.nbl-summary')}.length > 0"
+SPLIT_SHOWN = (f"(id) => {_in_cell('.nblaunch-dashboard .nbl-split')}.length === 2 && "
+               f"[...{_in_cell('.nblaunch-dashboard .nbl-finding')}].some(e => e.innerText.includes('rank 1 holds'))")
+_STRAGGLER_1 = '.nbl-summary .nbl-steps[data-straggler="1"]'
+SPLIT_SUMMARY = f"(id) => {_in_cell(_STRAGGLER_1)}.length === 1"
 ONE_VIEW = f"(id) => {_in_cell('.nbl-summary')}.length > 0 && {_in_cell('.nblaunch-dashboard')}.length === 0"
 STACKS_SHOWN = f"(id) => {_in_cell('.nblaunch-dashboard .nbl-stacks details')}.length === 2"
 STALE_SHOWN = f"""(id) => [...{_in_cell('.nbl-stale')}].some(e => parseFloat(getComputedStyle(e).fontSize) > 0)"""
@@ -159,6 +165,13 @@ OBSERVE = """(id) => {
             b => ({text: b.innerText.trim(), cut: b.scrollWidth > b.clientWidth + 1})),
         staleShown: [...area.querySelectorAll('.nbl-stale')].some(e => parseFloat(getComputedStyle(e).fontSize) > 0),
         stacksPanes: area.querySelectorAll('.nbl-stacks').length,
+        splits: [...area.querySelectorAll('.nbl-split')].map(e => ({
+            view: e.closest('.nbl-summary') ? 'summary' : 'dashboard', step: Number(e.dataset.step),
+            parts: [...e.querySelectorAll('.nbl-part')].map(p => p.dataset.part), ...box(e),
+            inCell: e.getBoundingClientRect().right <= e.closest('td').getBoundingClientRect().right + 1})),
+        findings: [...area.querySelectorAll('.nbl-finding')].map(e => e.innerText),
+        stepSummaries: [...area.querySelectorAll('.nbl-steps')].map(e => ({
+            straggler: e.dataset.straggler, cause: e.dataset.cause, text: e.innerText})),
     };
 }"""
 
@@ -262,6 +275,15 @@ def scenarios(lab, browser):
         s.soft_wait(ONE_VIEW, "launch-long", "summary in place of the dashboard")
         s.shoot("finished", ["launch-long"])
 
+        # The step split: rank 1 starved of data, named live, then in the summary.
+        s.run_and_wait("def-train-split")
+        s.run("launch-split")
+        s.wait(SPLIT_SHOWN, "launch-split")
+        s.shoot("split_running", ["launch-split"])
+        s.wait_ran("launch-split")
+        s.soft_wait(SPLIT_SUMMARY, "launch-split", "step split in the summary")
+        s.shoot("split_finished", ["launch-split"])
+
         # A failed launch: rank 1 raises, rank 0 is stopped.
         s.run_and_wait("def-fails")
         s.run_and_wait("launch-fails")
@@ -313,6 +335,21 @@ def test_a_finished_launch_leaves_one_summary_and_no_dashboard(scenarios):
     assert len(seen["summaries"]) == 1, seen["summaries"]
     assert seen["summaries"][0]["state"] == "done"
     assert seen["dashboards"] == 0
+
+
+def test_the_step_split_shows_live_in_each_rank_row_and_names_the_starved_rank(scenarios):
+    running = scenarios.seen["split_running"]["launch-split"]
+    bars = [b for b in running["splits"] if b["view"] == "dashboard"]
+    assert len(bars) == 2 and all(b["parts"] == ["data", "compute", "communication", "optimizer", "other"]
+                                  for b in bars), bars
+    assert all(b["inCell"] and b["width"] > 0 for b in bars), bars
+    assert running["ranksFit"] == [True], "the rank table is wider than its box"
+    assert not [o for o in running["overflowing"] if "nblaunch-dashboard" in o["element"]], running["overflowing"]
+    assert any("rank 1 holds the others up: it waits" in f and "for data" in f for f in running["findings"])
+    finished = scenarios.seen["split_finished"]["launch-split"]
+    assert [(s["straggler"], s["cause"]) for s in finished["stepSummaries"]] == [("1", "data")], finished
+    assert "num_workers" in finished["stepSummaries"][0]["text"]
+    assert "samples/s in all" in finished["visibleText"]
 
 
 def test_a_failed_launch_shows_the_error_once_without_launcher_paths(scenarios):
