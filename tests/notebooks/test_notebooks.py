@@ -297,6 +297,29 @@ def test_what_an_earlier_kernels_ranks_left_is_stopped_by_the_next_launch(went_w
     assert cleanup.outputs[-1]["data"]["text/plain"] == "[3.0, 3.0]"
 
 
+@pytest.mark.notebooks
+def test_a_starved_rank_is_named_and_dataloader_workers_fix_it(went_wrong):
+    starved = cell(went_wrong, "starved = nblaunch.last_steps()")
+    assert 'data-straggler="1" data-cause="data"' in summary(starved)
+    assert "rank 1 holds the others up: it waits" in text(summary(starved))
+    assert re.fullmatch(r"straggler: rank 1, cause: data; rank 1 waits \d+ ms a step for data\n", stream(starved))
+    fed = cell(went_wrong, "fed = nblaunch.last_steps()")
+    before, after = map(int, re.fullmatch(r"straggler: None; (\d+) -> (\d+) samples/s\n", stream(fed)).groups())
+    assert after > 2 * before, stream(fed)
+
+
+@pytest.mark.notebooks
+def test_a_communication_bound_run_is_flagged_and_accumulation_makes_it_faster(went_wrong):
+    one_sample = cell(went_wrong, "one_sample = nblaunch.last_steps()")
+    assert 'data-cause="communication"' in summary(one_sample)
+    assert "slower than one rank alone would be" in text(summary(one_sample))
+    assert "gradient accumulation" in text(summary(one_sample))  # the advice
+    assert stream(one_sample).startswith("cause: communication;") and stream(one_sample).endswith("one rank: True\n")
+    accumulated = cell(went_wrong, "accumulated = nblaunch.last_steps()")
+    found = re.fullmatch(r"(\d+) -> (\d+) samples/s; slower than one rank: False\n", stream(accumulated))
+    assert found and int(found[2]) > 1.5 * int(found[1]), stream(accumulated)
+
+
 def test_the_earlier_kernel_cell_prints_no_log_of_its_helper_kernel():
     # In JupyterLab a kernel's own stderr lands in the cell; nbclient does not show it, so the
     # cell runs here as a script and its stderr is read.
