@@ -57,6 +57,7 @@ DEFAULT_COVERS = {
     "tensor parallelism": "tests/training/test_tensor_parallel.py::test_fsdp2_between_two_tensor_parallel_groups_trains_as_ddp_over_the_groups",
     "fp8": "tests/training/test_fp8.py::test_the_layers_accelerate_converts_are_converted_and_it_trains[ddp]",
     "torch.compile (dynamo_backend)": "tests/training/test_compile.py::test_a_compile_that_fails_names_the_line_and_what_to_try_on_every_rank",
+    "the step split names the straggler": "tests/training/test_step_split.py::test_a_rank_starved_of_data_is_named_and_the_others_wait_for_it_in_the_sync",
     "the live display": "tests/display/test_widget_display.py::test_a_real_launch_fills_every_part",
     "the display in a real kernel": "tests/display/test_notebook.py::test_the_dashboard_updated_while_the_launch_ran",
     "warm ranks keep their state": "tests/warm/test_warm_ranks.py::test_state_and_the_process_group_live_on_between_calls",
