@@ -311,12 +311,14 @@ def test_a_starved_rank_is_named_and_dataloader_workers_fix_it(went_wrong):
 @pytest.mark.notebooks
 def test_a_communication_bound_run_is_flagged_and_accumulation_makes_it_faster(went_wrong):
     one_sample = cell(went_wrong, "one_sample = nblaunch.last_steps()")
+    # Whether two ranks are slower than one alone depends on the machine's load (the saved notebook
+    # says True); that communication is the cause, and that accumulation helps, does not.
     assert 'data-cause="communication"' in summary(one_sample)
-    assert "slower than one rank alone would be" in text(summary(one_sample))
     assert "gradient accumulation" in text(summary(one_sample))  # the advice
-    assert stream(one_sample).startswith("cause: communication;") and stream(one_sample).endswith("one rank: True\n")
+    assert re.fullmatch(r"cause: communication; communication is \d+% of a step; slower than one rank: (True|False)\n",
+                        stream(one_sample)), stream(one_sample)
     accumulated = cell(went_wrong, "accumulated = nblaunch.last_steps()")
-    found = re.fullmatch(r"(\d+) -> (\d+) samples/s; slower than one rank: False\n", stream(accumulated))
+    found = re.fullmatch(r"(\d+) -> (\d+) samples/s; slower than one rank: (True|False)\n", stream(accumulated))
     assert found and int(found[2]) > 1.5 * int(found[1]), stream(accumulated)
 
 
