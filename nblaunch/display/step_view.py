@@ -1,7 +1,7 @@
 """The step split in the cell: each rank's step as a stacked bar with its numbers, the straggler
 in the header, the summary at the end (HTML), and the same as lines for the text display.
 
-The bar's width is the rank's median step against the slowest rank's, so a rank that waits shows
+The bar's width is the rank's typical step against the slowest rank's, so a rank that waits shows
 the same length as the one it waits for, its colours saying where the time went.
 
 Example::
@@ -23,7 +23,7 @@ BAR_PX = 120  # as wide as a progress bar's track, which it sits under
 
 
 def widest(report: LaunchSteps) -> float:
-    """The slowest rank's median step: the full width of every rank's bar."""
+    """The slowest rank's typical step: the full width of every rank's bar."""
     return max((r.step for r in report), default=0.0)
 
 

@@ -214,7 +214,7 @@ class Launch:
 
         Example::
 
-            launch.steps[1].data       # rank 1's median wait for data per step, in seconds
+            launch.steps[1].data       # rank 1's typical wait for data per step, in seconds
             launch.steps.straggler     # 1: the rank that holds the others up (or None)
             print(launch.steps)        # the summary: each rank's split, what the ranks buy, what to do
         """

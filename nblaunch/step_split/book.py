@@ -31,8 +31,8 @@ from nblaunch.step_split.launch_steps import LaunchSteps, RankSteps
 # for a step without a gradient sync, samples 0 where the batches had no length.
 StepRecord = tuple[int, float, float, float, float, float, float, int]
 
-WINDOW = 10_000  # steps kept per rank: the medians are of the last ones
-LIVE = 200  # steps the live view's medians are of: what the ranks do now
+WINDOW = 10_000  # steps kept per rank: the report is of the last ones
+LIVE = 200  # steps the live view reports on: what the ranks do now
 _PENDING_SYNCS = 4 * WINDOW  # syncs waiting for a rank that fell behind (or left), at most
 
 
@@ -82,9 +82,9 @@ class StepBook:
             del self._syncs[next(iter(self._syncs))]  # the oldest: a rank left before taking it
 
     def report(self, recent: int | None = None) -> LaunchSteps:
-        """The medians of each rank's last ``recent`` steps (None: all it keeps), and the verdict."""
+        """Each rank's typical step over its last ``recent`` steps (None: all it keeps), and the verdict."""
         with self._lock:
-            ranks = {rank: _medians(rank, self._counts[rank], list(records)[-recent:] if recent else list(records),
+            ranks = {rank: _typical(rank, self._counts[rank], list(records)[-recent:] if recent else list(records),
                                     list(self._lags.get(rank, ()))[-recent:] if recent else list(self._lags.get(rank, ())))
                      for rank, records in sorted(self._records.items()) if records}
             notes = tuple(self._notes)
@@ -93,12 +93,22 @@ class StepBook:
                            advice=found.advice, buys=found.buys, slower_than_one=found.slower_than_one, notes=notes)
 
 
-def _medians(rank: int, count: int, records: list[StepRecord], lags: list[float]) -> RankSteps:
-    def median(column: int) -> float:
-        return statistics.median(r[column] for r in records)
+def _typical(rank: int, count: int, records: list[StepRecord], lags: list[float]) -> RankSteps:
+    """The rank's typical step: each part averaged over the middle half of its steps by length.
 
-    step, data, compute, communication, optimizer = (median(c) for c in range(1, 6))
-    others = [max(0.0, r[1] - r[2] - r[3] - r[4] - r[5]) for r in records]
+    Not each part's own median: those need not add up to the step (a sync that is slow every
+    other step has a median of the fast ones), and the parts must make the step they split. The
+    middle half leaves out the first steps' warm-up and the pauses at either end.
+    """
+    ordered = sorted(records, key=lambda r: r[1])
+    quarter = len(ordered) // 4
+    middle = ordered[quarter:len(ordered) - quarter]
+
+    def mean(column: int) -> float:
+        return statistics.fmean(r[column] for r in middle)
+
+    step, data, compute, communication, optimizer = (mean(c) for c in range(1, 6))
+    other = statistics.fmean(max(0.0, r[1] - r[2] - r[3] - r[4] - r[5]) for r in middle)
     return RankSteps(rank=rank, count=count, step=step, data=data, compute=compute, communication=communication,
-                     optimizer=optimizer, other=statistics.median(others),
-                     arrival_lag=statistics.median(lags) if lags else None, samples=median(7))
+                     optimizer=optimizer, other=other, arrival_lag=statistics.median(lags) if lags else None,
+                     samples=mean(7))

@@ -1,4 +1,4 @@
-"""What ``launch.steps`` returns: each rank's medians (:class:`RankSteps`), the launch's verdict
+"""What ``launch.steps`` returns: each rank's typical step (:class:`RankSteps`), the launch's verdict
 (:class:`LaunchSteps`), and the same in words.
 
 Example::
@@ -18,7 +18,8 @@ LAG_MIN_S = 0.001  # an arrival lag below it is noise, not lateness
 
 @dataclass(frozen=True)
 class RankSteps:
-    """One rank's medians per step, in seconds, over its last steps (``count`` were measured).
+    """One rank's typical step, in seconds, over its last steps (``count`` were measured): each
+    part averaged over the middle half of the steps by length, so the parts make the step.
 
     ``arrival_lag``: how much later than the first rank this rank arrives at the gradient sync
     (None: no sync every rank took, as with one rank or FSDP). ``samples``: per step.
@@ -49,7 +50,7 @@ class RankSteps:
 class LaunchSteps:
     """Every rank's steps, split: what ``launch.steps`` returns.
 
-    ``launch.steps[1].data`` is rank 1's median wait for data per step; ``straggler`` the rank
+    ``launch.steps[1].data`` is rank 1's typical wait for data per step; ``straggler`` the rank
     that holds the others up (or None) and ``cause`` why the launch is slow: "data", "compute",
     "communication" or None. ``str(launch.steps)`` says it all in words; ``notes`` says what
     could not be measured and why.
@@ -105,7 +106,7 @@ def summary_text(report: LaunchSteps) -> str:
         return "\n".join(report.notes) or "no training step was measured"
     counts = sorted({r.count for r in report})
     steps = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    lines = [f"steps split: {steps} steps per rank, medians"]
+    lines = [f"steps split: {steps} steps per rank; a typical step (the middle half by length, averaged)"]
     lines += [f"  rank {r.rank}: {rank_line(r)}" for r in report]
     lines.append(report.buys)
     if report.finding:
