@@ -45,13 +45,29 @@ class Spins(torch.nn.Module):
         return x
 
 
+class Embedded(torch.nn.Module):
+    """A big embedding table and a small head: a sample's step computes little, and the table's
+    whole gradient (dense) is all-reduced: a model bound by communication, however busy the CPU."""
+
+    def __init__(self, rows: int, dim: int = 64) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(rows, dim)
+        self.head = torch.nn.Linear(dim, 1)
+
+    def forward(self, x):
+        index = (x[:, 0].abs() * 1000).long() % self.table.num_embeddings
+        return self.head(self.table(index))
+
+
 def _train(delay: float = 0.0, spin: float = 0.0, width: int = 64, batch_size: int = 8, accumulate: int = 1,
-           length: int = 640, square_layers: int = 0):
+           length: int = 640, square_layers: int = 0, embedding_rows: int = 0):
     accelerator = Accelerator(gradient_accumulation_steps=accumulate)
     torch.manual_seed(0)
     squares = [layer for _ in range(square_layers) for layer in (torch.nn.Linear(width, width), torch.nn.ReLU())]
     model = torch.nn.Sequential(Spins(spin), torch.nn.Linear(16, width), torch.nn.ReLU(), *squares,
                                 torch.nn.Linear(width, 1))
+    if embedding_rows:
+        model = Embedded(embedding_rows)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Items(length, delay), batch_size=batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -101,7 +117,7 @@ def test_balanced_ranks_have_no_straggler():
 
 
 def test_a_big_model_with_a_tiny_batch_spends_its_step_communicating():
-    steps = _steps(0.0, 0.0, 1536, 1, 1, 24, 1)  # 2.4M parameters (a 1536-square layer), one sample a step
+    steps = _steps(0.0, 0.0, 64, 1, 1, 96, 0, 40_000)  # 2.6M parameters (an embedding table), one sample a step
     for rank in steps:
         assert max(rank.parts(), key=lambda part: rank.parts()[part]) == "communication", str(steps)
     assert steps.cause == "communication" and steps.straggler is None, str(steps)
