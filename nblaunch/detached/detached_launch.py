@@ -21,7 +21,7 @@ from typing import Any
 
 from nblaunch.detached.kept_launch import KeptInAFolder, KeptLaunch
 from nblaunch.display import make_display
-from nblaunch.events import LaunchFinished, RankState, StepTimes
+from nblaunch.events import LaunchFinished, LaunchRestarting, RankState, StepTimes
 from nblaunch.step_split import LaunchSteps, StepBook
 
 __all__ = ["DetachedLaunch", "LaunchLostError"]
@@ -99,6 +99,8 @@ class DetachedLaunch:
                 return event.steps
             if isinstance(event, StepTimes):
                 book.add(event.rank, event.steps)
+            elif isinstance(event, LaunchRestarting):
+                book.clear()  # the steps of the new start are counted afresh, as Launch.steps does
         return book.report()
 
     def cancel(self) -> bool:

@@ -63,8 +63,9 @@ class StepBook:
             self._notes[text] = None
 
     def clear(self) -> None:
-        """Forget every step (a restart begins a new count)."""
+        """Forget every step and note (a restart, or a warm pool's next call, begins a new count)."""
         with self._lock:
+            self._notes.clear()
             self._records.clear()
             self._counts.clear()
             self._lags.clear()

@@ -19,7 +19,8 @@ LAG_MIN_S = 0.001  # an arrival lag below it is noise, not lateness
 @dataclass(frozen=True)
 class RankSteps:
     """One rank's typical step, in seconds, over its last steps (``count`` were measured): each
-    part averaged over the middle half of the steps by length, so the parts make the step.
+    part averaged over the middle half of the steps by length, so the parts make the step (on a
+    GPU the parts are the device's time and the step the host's: they may differ a little).
 
     ``arrival_lag``: how much later than the first rank this rank arrives at the gradient sync
     (None: no sync every rank took, as with one rank or FSDP). ``samples``: per step.

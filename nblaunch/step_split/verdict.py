@@ -1,8 +1,9 @@
-"""Reading the ranks' medians: who holds the others up and why, what the ranks buy, what to do.
+"""Reading the ranks' typical steps: who holds the others up and why, what the ranks buy, what to do.
 
-The straggler is the rank that arrives last at the gradient sync, by a margin (``LAG_SHARE`` of its
-step, at least ``STRAGGLER_MIN_S``: two ranks sharing a CPU arrive a millisecond apart by chance): DDP's sync evens out the step times, so the arrival lag is what
-names a rank slow in computing. Why it is late is the part of its step before the sync that
+The straggler is the rank that arrives last at the gradient sync, by a margin (``LAG_SHARE`` of
+its step, at least ``STRAGGLER_MIN_S``: ranks sharing a CPU arrive a millisecond apart by
+chance). DDP's sync evens out the step times, so the arrival lag is what names a rank slow in
+computing. Why it is late is the part of its step before the sync that
 exceeds the others' most: its wait for data ("data"), or its forward, backward or own code
 ("compute"). Without a straggler, a launch is slow for one reason when communication or the wait
 for data is the largest part of the step and at least ``SLOW_SHARE`` of it.
@@ -25,7 +26,6 @@ STRAGGLER_MIN_S = 0.002
 SLOW_SHARE = 0.25
 
 
-
 @dataclass(frozen=True)
 class Verdict:
     straggler: int | None = None
@@ -37,7 +37,7 @@ class Verdict:
 
 
 def judge(ranks: dict[int, RankSteps]) -> Verdict:
-    """What the medians of every rank say (see the module's docstring)."""
+    """What every rank's typical step says (see the module's docstring)."""
     if not ranks:
         return Verdict()
     buys, slower = _what_the_ranks_buy(list(ranks.values()))

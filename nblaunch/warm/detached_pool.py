@@ -31,7 +31,7 @@ from nblaunch.events import Display, LaunchFinished
 from nblaunch.launch import ipython_errors
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import pickling
-from nblaunch.step_split import LaunchSteps
+from nblaunch.step_split import LaunchSteps, remember
 from nblaunch.warm.call_router import CALL_DASHBOARD_AFTER_S
 
 __all__ = ["DetachedWarmRanks", "Relay"]
@@ -180,7 +180,8 @@ class DetachedWarmRanks:
                 continue
             if message[0] == "event":
                 if isinstance(message[1], LaunchFinished):  # the call's end carries its steps
-                    self._steps = message[1].steps or LaunchSteps()
+                    self._steps = message[1].steps if message[1].steps is not None else LaunchSteps()
+                    remember(self._steps)
                 shown.on_event(message[1])
             else:
                 return message

@@ -52,6 +52,7 @@ class _ThisRank:
         self.clock: StepClock | None = None
         self.counts: dict[str, list[int]] = {}  # kind -> [entered, left]
         self.depth = 0  # collectives inside collectives (pad_across_processes gathers) count once
+        self.trained_before: str | None = None  # what another library's loop left before this warm call
 
 
 _here = per_process(_ThisRank)
@@ -93,7 +94,8 @@ def collective(kind: str) -> Iterator[None]:
 def start(cuda: bool) -> StepClock | None:
     """The rank's clock, made by its first Accelerator (None outside a launch or turned off)."""
     here = _here()
-    if here.clock is None and channel.in_launch() and os.environ.get(variables.STEP_SPLIT, "1") != "0":
+    if channel.in_launch() and os.environ.get(variables.STEP_SPLIT, "1") != "0" and (
+            here.clock is None or here.clock.cuda != cuda):  # a warm cell may move from the CPU to a GPU
         here.clock = StepClock(cuda)
     return here.clock
 
@@ -107,6 +109,7 @@ def begin_call() -> None:
     (the step left unfinished by the last cell, and the time between cells, are no step)."""
     here = _here()
     here.counts = {}
+    here.trained_before = _trained_through()  # an earlier cell's, or the pool's own group: said then, or never
     if here.clock is not None:
         here.clock = StepClock(here.clock.cuda)
 
@@ -124,18 +127,23 @@ def flush() -> None:
 
 
 def _say_what_trained_unmeasured() -> None:
-    """Trained through another library's loop: say once that the split needs nblaunch's."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
-    if shared:
-        what = "accelerate's Accelerator (transformers' Trainer uses it)"
-    elif ("lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules) and _group_made():
-        what = "Lightning's Trainer"  # imported (perhaps by the kernel, before the fork) and a group made
-    else:
+    """Trained through another library's loop (in this launch, or this warm call): say once that
+    the split needs nblaunch's."""
+    what = _trained_through()
+    if what is None or what == _here().trained_before:
         return
     note = (f"the step split needs nblaunch's Accelerator: these ranks trained through {what}; "
             "`from nblaunch import Accelerator` (the same names and semantics) measures every step")
     channel.send(wire.STEP_TIMES, pickle.dumps(([], note)))
+
+
+def _trained_through() -> str | None:
+    state = sys.modules.get("accelerate.state")
+    if getattr(getattr(state, "PartialState", None), "_shared_state", None):
+        return "accelerate's Accelerator (transformers' Trainer uses it)"
+    if ("lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules) and _group_made():
+        return "Lightning's Trainer"  # imported (perhaps by the kernel, before the fork) and a group made
+    return None
 
 
 def _group_made() -> bool:
@@ -158,6 +166,8 @@ class StepClock:
         self._backward: Any = None
         self._launched: Any = None  # the backward's compute ended (its sync under way)
         self._optimizer: Any = None
+        self._syncing = False  # a forward since the last backward will have DDP sync its gradients
+        self._prehook: Any = None  # on the loss's autograd node, until the backward ends
         self._owner: int | None = None  # id() of the optimizer whose step ends a training step
         self._unresolved: list[tuple[int, float, float, int, float, list]] = []
         self._ready: list[tuple] = []
@@ -189,28 +199,34 @@ class StepClock:
         model.register_forward_pre_hook(_forward_began)
         model.register_forward_hook(_forward_ended)
 
-    def forward_began(self) -> None:
+    def forward_began(self, syncing: bool) -> None:
+        """A prepared model's forward begins; ``syncing``: DDP will all-reduce in its backward
+        (DDP decides it in the forward: ``no_sync`` around the forward is what counts)."""
         self._begin(time.perf_counter())
         self._forward = self._mark()
+        self._syncing = self._syncing or syncing
 
     def forward_ended(self) -> None:
         if self._forward is not None:
             self._pairs.append((_COMPUTE, self._forward, self._mark()))
             self._forward = None
 
-    def backward_began(self, loss: Any, syncing: bool) -> None:
-        """``loss.backward()`` is about to run; ``syncing``: DDP all-reduces the gradients in it.
+    def backward_began(self, loss: Any) -> None:
+        """``loss.backward()`` is about to run.
 
-        Then the end of the backward's compute is marked from inside it: the first node to run
-        (the loss's) queues a callback at the end of the autograd graph, ahead of the one DDP
-        queues once its last bucket is handed to the all-reduce, which waits for the sync. DDP's
-        own all-reduce stays in C++ (a Python communication hook would cost each bucket more
-        than the whole clock costs a step)."""
+        Where DDP syncs in it, the end of the backward's compute is marked from inside: the loss's
+        autograd node (reached before any gradient is ready) queues a callback at the end of the
+        graph, ahead of the one DDP queues once its last bucket is handed to the all-reduce, which
+        waits for the sync. DDP's own all-reduce stays in C++ (a Python communication hook would
+        cost each bucket more than the whole clock costs a step)."""
         self._begin(time.perf_counter())
         self._backward, self._launched = self._mark(), None
         grad_fn = getattr(loss, "grad_fn", None)
-        if syncing and grad_fn is not None:
-            grad_fn.register_prehook(_queue_compute_ended)
+        if self._syncing and grad_fn is not None:
+            try:
+                self._prehook = grad_fn.register_prehook(_queue_compute_ended)
+            except Exception:  # noqa: BLE001  an odd loss: its sync counts as compute, the loop goes on
+                self._prehook = None
 
     def compute_ended(self) -> None:
         """The backward's last gradient is computed: what is left of it is the gradient sync."""
@@ -220,6 +236,10 @@ class StepClock:
 
     def backward_ended(self) -> None:
         began, launched, self._backward, self._launched = self._backward, self._launched, None, None
+        self._syncing = False
+        if self._prehook is not None:  # a graph kept (retain_graph) would queue one more callback each time
+            self._prehook.remove()
+            self._prehook = None
         if began is None:
             return
         end = self._mark()
@@ -284,11 +304,13 @@ class StepClock:
 
 
 
-def _forward_began(*_: Any) -> None:
+def _forward_began(module: Any, *_: Any) -> None:
     # Module-level, not a closure: a model with its hooks still pickles (torch.save of a whole model).
     clock = current()
     if clock is not None:
-        clock.forward_began()
+        import torch  # deferred: the worker side never imports torch itself (a forward runs: it is loaded)
+
+        clock.forward_began(torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", False))
 
 
 def _forward_ended(*_: Any) -> None:

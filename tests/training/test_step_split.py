@@ -224,3 +224,25 @@ def _saves_the_whole_model():
 
 def test_a_timed_model_still_pickles():
     assert notebook_launcher(_saves_the_whole_model, num_processes=1, display="none") == ["saved"]
+
+
+def _forwards_without_sync():
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(Items(160), batch_size=8))
+    for x, y in loader:
+        with accelerator.no_sync(model):  # DDP decides in the forward: this backward will not all-reduce
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss, retain_graph=True)
+        accelerator.backward(loss)  # the same graph again: still one step, still no sync
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_backward_after_a_forward_under_no_sync_is_no_gradient_sync():
+    launch = notebook_launcher(_forwards_without_sync, num_processes=2, display="none", block=False)
+    launch.result()
+    steps = launch.steps
+    assert [r.count for r in steps] == [10, 10] and all(r.arrival_lag is None for r in steps), str(steps)

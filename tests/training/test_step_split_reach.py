@@ -63,3 +63,21 @@ def test_a_detached_launch_keeps_its_split_in_its_folder(state_dir, capsys):
     shown = capsys.readouterr().out
     assert "steps split: 40 steps per rank" in shown and "rank 1 holds the others up" in shown, shown
     assert again.steps.straggler == 1 and again.steps[0].count == 40, str(again.steps)
+
+
+def _through_accelerate():
+    from accelerate import Accelerator as TheirAccelerator
+
+    TheirAccelerator()
+    return 0
+
+
+def test_warm_ranks_say_once_that_another_librarys_loop_went_unmeasured():
+    pytest.importorskip("accelerate")
+    with WarmRanks(num_processes=2, display="none") as ranks:
+        ranks.run(_through_accelerate)
+        assert len(ranks.steps.notes) == 1 and "accelerate's Accelerator" in ranks.steps.notes[0]
+        ranks.run(os.getpid)  # the state accelerate left is no news in the next call
+        assert not ranks.steps.notes and not ranks.steps.ranks
+        ranks.run(_train)
+        assert not ranks.steps.notes and ranks.steps[0].count == 40

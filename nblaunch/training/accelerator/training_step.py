@@ -45,7 +45,7 @@ class TrainingStepMethods(AcceleratorHost):
         if clock is None:
             self._strategy.backward(loss, self.scaler, **kwargs)
             return
-        clock.backward_began(loss, any(getattr(m, "require_backward_grad_sync", False) for m in self._models))
+        clock.backward_began(loss)
         self._strategy.backward(loss, self.scaler, **kwargs)
         clock.backward_ended()
 
