@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch
 
+import nblaunch
 from nblaunch import notebook_launcher
 
 NUM_EXAMPLES = 32
@@ -74,6 +75,8 @@ def test_trainer_with_default_arguments_runs_real_ddp_on_two_cpu_ranks(tmp_path)
     assert not shard0 & shard1, "the ranks trained on overlapping examples"
     assert shard0 | shard1 == set(range(NUM_EXAMPLES))
     torch.testing.assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
+    steps = nblaunch.last_steps()  # the Trainer's loop is Accelerate's: said once, nothing measured
+    assert not steps.ranks and len(steps.notes) == 1 and "transformers' Trainer uses it" in steps.notes[0], str(steps)
 
 
 def test_mixed_precision_given_to_the_launcher_reaches_trainer(tmp_path):
