@@ -217,6 +217,17 @@ class Scenarios:
             self.notes.append(f"{cell_id}: no {what} within {SOFT_S} s")
             return False
 
+    def shoot_running_then_over(self, cell_id: str, live: str, running: str, over: str, what: str,
+                                finished: str) -> None:
+        """Run a launch cell: once ``live`` holds, shoot ``running``; once the cell ran and
+        (softly) ``over`` holds, shoot ``finished``."""
+        self.run(cell_id)
+        self.wait(live, cell_id)
+        self.shoot(running, [cell_id])
+        self.wait_ran(cell_id)
+        self.soft_wait(over, cell_id, what)
+        self.shoot(finished, [cell_id])
+
     def shoot(self, name: str, cell_ids: list[str]) -> None:
         """scenario_<name>.png (the window), scenario_<name>_cell.png (the cells) and .json."""
         page = self.page
@@ -268,21 +279,13 @@ def scenarios(lab, browser):
         s.run_and_wait("def-train-long")
 
         # A long blocking launch: part-way, then over.
-        s.run("launch-long")
-        s.wait(BAR_PART_WAY, "launch-long")
-        s.shoot("running", ["launch-long"])
-        s.wait_ran("launch-long")
-        s.soft_wait(ONE_VIEW, "launch-long", "summary in place of the dashboard")
-        s.shoot("finished", ["launch-long"])
+        s.shoot_running_then_over("launch-long", BAR_PART_WAY, "running", ONE_VIEW,
+                                  "summary in place of the dashboard", "finished")
 
         # The step split: rank 1 starved of data, named live, then in the summary.
         s.run_and_wait("def-train-split")
-        s.run("launch-split")
-        s.wait(SPLIT_SHOWN, "launch-split")
-        s.shoot("split_running", ["launch-split"])
-        s.wait_ran("launch-split")
-        s.soft_wait(SPLIT_SUMMARY, "launch-split", "step split in the summary")
-        s.shoot("split_finished", ["launch-split"])
+        s.shoot_running_then_over("launch-split", SPLIT_SHOWN, "split_running", SPLIT_SUMMARY,
+                                  "step split in the summary", "split_finished")
 
         # A failed launch: rank 1 raises, rank 0 is stopped.
         s.run_and_wait("def-fails")
