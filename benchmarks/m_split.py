@@ -39,8 +39,6 @@ def alternating_blocks(x, y, pairs: int) -> list[float]:
 
     accelerator = Accelerator(cpu=True)  # starts the rank's clock
     torch.set_num_threads(1)
-    this_rank = step_clock._here()  # a benchmark's reach inside: the product turns it off per launch only
-    clock = this_rank.clock
     torch.manual_seed(0)
     loader = accelerator.prepare(DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True))
 
@@ -49,8 +47,14 @@ def alternating_blocks(x, y, pairs: int) -> list[float]:
         return model, accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
     timed = prepared()  # with the clock running: its forward hooks
-    this_rank.clock = None
-    untimed = prepared()  # as with the split off
+    with step_clock.set_aside():
+        untimed = prepared()  # as with the split off
+
+    def run(which) -> float:
+        if which is timed:
+            return block(*which)
+        with step_clock.set_aside():
+            return block(*which)
 
     def block(model, optimizer) -> float:
         began, done = time.perf_counter(), 0
@@ -65,17 +69,14 @@ def alternating_blocks(x, y, pairs: int) -> list[float]:
                     break
         return BLOCK_STEPS / (time.perf_counter() - began)
 
-    for model, optimizer in (timed, untimed):  # warm-up
-        this_rank.clock = clock if model is timed[0] else None
-        block(model, optimizer)
+    for which in (timed, untimed):  # warm-up
+        run(which)
     ratios = []
     for index in range(pairs):
         rates = {}
         for which in ((timed, untimed) if index % 2 == 0 else (untimed, timed)):
-            this_rank.clock = clock if which is timed else None
-            rates[which is timed] = block(*which)
+            rates[which is timed] = run(which)
         ratios.append(rates[True] / rates[False])
-    this_rank.clock = clock
     return ratios
 
 

@@ -104,6 +104,18 @@ def current() -> StepClock | None:
     return _here().clock
 
 
+@contextlib.contextmanager
+def set_aside() -> Iterator[None]:
+    """No clock for what runs inside: its steps go unmeasured, as with the split off (what the
+    split costs is measured so, block against block in one launch: ``benchmarks/m_split.py``)."""
+    here = _here()
+    clock, here.clock = here.clock, None
+    try:
+        yield
+    finally:
+        here.clock = clock
+
+
 def begin_call() -> None:
     """A warm rank begins a call: its steps and counts are the cell's own, numbered from one
     (the step left unfinished by the last cell, and the time between cells, are no step)."""
