@@ -248,6 +248,14 @@ class ClusterWaiting:
 
 
 @dataclass(frozen=True)
+class LaunchStopping:
+    """The launch is being stopped so that its work is kept: every rank goes on to one common step
+    and saves there (``nblaunch.worker.step_stop``). ``line`` says which step, then where it saves."""
+
+    line: str
+
+
+@dataclass(frozen=True)
 class LaunchRestarting:
     """A rank failed and ``max_restarts`` allows another start: every rank was stopped and all
     start again (``restart`` of ``max_restarts``), on a fresh rendezvous."""
@@ -280,7 +288,7 @@ class LaunchFinished:
 
 Event = (
     LaunchStarted | ClusterWaiting | RanksPlaced | RankStarted | Output | Progress | Metrics | StepTimes | Stacks | RankFinished
-    | LaunchRestarting | LaunchFinished | CallFinished | CallFailed | CallSteps | GroupReleased | RankDevice
+    | LaunchRestarting | LaunchStopping | LaunchFinished | CallFinished | CallFailed | CallSteps | GroupReleased | RankDevice
     | RankCompiling | GpuUsage | Stalled | StallCleared
 )
 

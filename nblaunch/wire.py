@@ -24,7 +24,9 @@ CALL_RESULT = b"A"  # warm ranks: pickled (call_id, return value of the call)
 DEVICE = b"G"  # pickled (device, mixed precision) of the rank's Accelerator, when it is made
 IMPORTED = b"O"  # pickled list: the installed modules the rank imported (nblaunch.machine.installed), at its end
 CALL_FAILED = b"f"  # warm ranks: pickled (call_id, RankFailure): the call raised; the rank serves on
-STEPS = b"s"  # warm ranks: pickled (call_id, step boundaries passed in the call), asked by INTERRUPT
+STEPS = b"s"  # pickled (call_id, step boundaries passed in the call or launch), asked by INTERRUPT
+SAVING = b"v"  # a launch stopping at the agreed step: pickled (steps, checkpoint folder), before it writes
+STOPPED = b"w"  # pickled (steps, checkpoint folder): saved; the rank leaves without a result
 RELEASED = b"r"  # warm ranks: pickled str, "" or why not: the rank released its group (RELEASE)
 MOVED = b"m"  # empty body: the rank's main thread moved since the last one (nblaunch.worker.movement)
 COMPILING = b"c"  # pickled (compiling, seconds): a torch.compile began (False, 0) or ended after seconds
@@ -38,7 +40,7 @@ CALL = b"L"  # warm ranks: cloudpickled (call_id, function, args) to run next
 CLOSE = b"Q"  # warm ranks: empty body: no more calls, leave
 SHARED = b"H"  # warm ranks: pickled (fd numbers, out-of-band buffers) of the next frame's shared
 #                memory; the descriptors themselves ride on this frame's header (SCM_RIGHTS)
-INTERRUPT = b"i"  # warm ranks: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.warm.cell_stop)
+INTERRUPT = b"i"  # warm ranks and launches: pickled ("ask",) | ("at", boundary) | ("now",) (nblaunch.worker.step_stop)
 RELEASE = b"x"  # warm ranks: empty body: make the group's waiting collectives raise (a peer failed)
 
 # Kernel <-> its launch server (launch/starting/server_process), on a socket of its own

@@ -9,7 +9,7 @@ back, one rung at a time, each bounded:
 - *a rank raised*: the others get ``RELEASE_AFTER_S`` to finish on their own; then every rank
   releases the pool's group (``nblaunch.worker.warm.group``: waiting collectives raise), and
   the group is re-formed after the call;
-- *an interrupt*: the ranks are asked how many steps they took (``nblaunch.worker.warm.cell_stop``)
+- *an interrupt*: the ranks are asked how many steps they took (``nblaunch.worker.step_stop``)
   and stop together at the next one; a call without steps, or ranks that do not get there
   within ``STOP_AT_STEP_WITHIN_S``, get SIGINT where they are; ranks that still do not come
   back are released as above. Interrupting again climbs one rung at once;

@@ -27,10 +27,10 @@ from nblaunch import proctree, wire
 from nblaunch.machine.installed import installed_modules, loaded_since
 from nblaunch.contract import variables as v
 from nblaunch.contract.failure import Phase
-from nblaunch.worker import calls, channel, compile_watch, lifeline, movement, payload, step_clock
+from nblaunch.worker import calls, channel, compile_watch, lifeline, movement, payload, step_clock, step_stop
 from nblaunch.worker.control import ControlSocket
-from nblaunch.worker.own_meeting_point import meet_at_the_launchers_store_only
-from nblaunch.worker.inherited import forget_accelerate_state, forget_half_imported, leave_interactive_session
+from nblaunch.worker.starting.own_meeting_point import meet_at_the_launchers_store_only
+from nblaunch.worker.starting.inherited import forget_accelerate_state, forget_half_imported, leave_interactive_session
 from nblaunch.worker.progress import install_progress_hooks
 from nblaunch.worker.reports import RankGuard, describe, send_failure
 from nblaunch.worker.streams import attach_streams, flush_streams
@@ -198,11 +198,17 @@ def _run_function(function: Callable, args: tuple, control: ControlSocket, event
     _thread.start_new_thread(_watch_launcher, (control, event_fd))
     movement.watch_main_thread()
     compile_watch.watch_compiles()  # torch._dynamo is usually loaded ahead: its compiles show from the first
+    if function is not calls.serve_calls:  # a warm rank's calls begin and end their own
+        step_stop.begin_call(0, keeps_work=True)  # an interrupt stops every rank at one step and saves there
     try:
         try:
             result = function(*args)
         finally:
+            step_stop.end_call()
             step_clock.flush()  # the last steps, before the result or the failure
+    except step_stop.RunStopped as stopped:  # as the launcher asked: the work is in the checkpoint
+        channel.send(wire.STOPPED, pickle.dumps((stopped.steps, stopped.checkpoint)))
+        return 0
     except SystemExit as exit_request:  # sys.exit(0) is a clean finish with no result
         if exit_request.code in (None, 0):
             _send_result(None)

@@ -13,7 +13,7 @@ finished rank.
 A call may name the ranks it runs on (``only``): the others answer at once with nothing, and in
 the named ones the collectives of the pool's group are refused for the call (``subset_guard``),
 since the ranks left out would never join them. The launcher's other requests during a call
-(interrupt, release the group: ``control``) come through the watch thread to ``pool.cell_stop`` and
+(interrupt, release the group: ``control``) come through the watch thread to ``step_stop`` and
 ``pool.group``.
 
 The ranks form their process group before the first call (``pool.group``). Every call starts
@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 from nblaunch import wire
 from nblaunch.contract import variables as v
-from nblaunch.worker import channel, payload, step_clock
-from nblaunch.worker.warm import cell_stop, device_check, failed_frames, group
+from nblaunch.worker import channel, payload, step_clock, step_stop
+from nblaunch.worker.warm import device_check, failed_frames, group
 from nblaunch.worker.warm.subset_guard import collectives_refused
 from nblaunch.worker.reports import describe, failure_record
 from nblaunch.worker.streams import flush_streams
@@ -69,7 +69,7 @@ def deliver(kind: bytes, body: bytes, shared: tuple[dict[int, int], list] | None
 def control(kind: bytes, body: bytes) -> None:
     """The launcher's requests during a call, on the watch thread: INTERRUPT, RELEASE."""
     if kind == wire.INTERRUPT:
-        cell_stop.interrupt(pickle.loads(body))
+        step_stop.interrupt(pickle.loads(body))
     elif kind == wire.RELEASE:
         why_not = group.release_group()
         if not why_not:
@@ -81,7 +81,7 @@ def serve_calls() -> None:
     """The function a warm rank runs: it joins the pool's process group, then serves calls, one
     at a time, until CLOSE."""
     group.form_pool_group()
-    cell_stop.install()
+    step_stop.install()
     rank = int(os.environ[v.RANK])
     while True:
         kind, body, shared = _inbox.get()
@@ -103,13 +103,13 @@ def _serve_one(rank: int, body: bytes, shared: tuple[dict[int, int], list] | Non
             return
         for hook in _before_each_call:
             hook()
-        cell_stop.begin_call(call_id)
+        step_stop.begin_call(call_id)
         step_clock.begin_call()
         try:
             with collectives_refused(only):
                 result = function(*args)
         finally:
-            cell_stop.end_call()
+            step_stop.end_call()
             step_clock.flush()  # the cell's last steps, before its answer
         flush_streams()
         reply = _reply(call_id, result)

@@ -178,8 +178,8 @@ def test_save_state_and_load_state_round_trip(tmp_path):
     assert {t.device.type for t in weights.values()} == {"cpu"}  # loadable without torch_xla
     moments = torch.load(tmp_path / "optimizer.bin", weights_only=True)["state"][0]["exp_avg"]
     assert moments.device.type == "cpu"
-    assert sorted(os.listdir(tmp_path)) == sorted([weights_file, "nblaunch_positions_0.pkl", "optimizer.bin",
-                                                   "random_states_0.pkl"])
+    assert sorted(os.listdir(tmp_path)) == sorted([weights_file, "nblaunch_complete.json", "nblaunch_positions_0.pkl",
+                                                   "optimizer.bin", "random_states_0.pkl"])
 
 
 def who_am_i():

@@ -26,7 +26,7 @@ from nblaunch.training.step import profiling
 from nblaunch.training.step.accumulation import Accumulate
 from nblaunch.training.step.optim import AcceleratedOptimizer
 from nblaunch.worker import step_clock
-from nblaunch.worker.warm import cell_stop
+from nblaunch.worker import step_stop
 
 __all__ = ["TrainingStepMethods"]
 
@@ -37,7 +37,7 @@ class TrainingStepMethods(AcceleratorHost):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled under fp16; under
         DeepSpeed the engine's backward, and its step at the end of an accumulation window."""
-        cell_stop.step_boundary()  # an interrupted warm cell stops here, on every rank at the same step
+        step_stop.step_boundary()  # an interrupted warm cell stops here, on every rank at the same step
         steps = self.gradient_state.num_steps
         if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from nblaunch.training.runtime import xla
 from nblaunch.training.runtime.collectives import synchronize_rng_states
 from nblaunch.training.runtime.tree import send_to_device
-from nblaunch.worker import channel, step_clock
+from nblaunch.worker import channel, step_clock, step_stop
 from nblaunch.worker.progress import BarReporter
 
 if TYPE_CHECKING:
@@ -146,6 +146,9 @@ class PreparedDataLoader(DataLoader):
         return skip
 
     def __iter__(self) -> Iterator[Any]:
+        # Before the epoch starts: a resume loads its position here, and a launch agreed to stop
+        # after the last epoch's last step stops here, its end-of-epoch code run, this loader between epochs.
+        step_stop.step_end(ready=self._gradient_state.step == 0, loader=self)
         skip = self._start_epoch()
         shard = self._shard
         index_skip = skip > 0 and shard is not None and shard.skip_first(skip)
@@ -200,7 +203,10 @@ class PreparedDataLoader(DataLoader):
             clock = step_clock.current()
             batches = marking_last(iterator, length, skip)
             count = skip
+            gradient_state = self._gradient_state
             while True:
+                if count > skip and not progress.end:  # the step the last batch fed is over: a launch agreed
+                    step_stop.step_end(ready=gradient_state.step == 0, loader=self)  # to stop stops here
                 began = time.perf_counter()
                 found = next(batches, None)
                 if found is None:
@@ -214,6 +220,7 @@ class PreparedDataLoader(DataLoader):
                     batch = feed(batch)
                 if clock is not None:
                     clock.waited_for_data(began, batch)  # from asking for the batch to having it here
+                step_stop.feeding(self)
                 yield batch
 
 
