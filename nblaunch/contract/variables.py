@@ -43,7 +43,9 @@ LAUNCH_ID = "NBLAUNCH_LAUNCH_ID"  # every process of a launch carries it: found 
 COMPILE_CACHE = "NBLAUNCH_COMPILE_CACHE"  # where ranks keep torch.compile's code (launch/planning/compile_cache)
 TORCHINDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"  # torch's: Inductor's on-disk caches
 TORCHINDUCTOR_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"  # torch's: Inductor's compile workers per process
-STATE_DIR = "NBLAUNCH_STATE_DIR"  # where detached launches are kept (the user's choice)
+STATE_DIR = "NBLAUNCH_STATE_DIR"  # where detached launches and launches' checkpoints are kept (the user's choice)
+RESUME = "NBLAUNCH_RESUME"  # resume=: "latest", or the checkpoint folder to load before the first step
+CHECKPOINTS = "NBLAUNCH_CHECKPOINTS"  # where a stopped launch saves when its Accelerator has no project_dir
 AGENT_TOKEN = "NBLAUNCH_AGENT_TOKEN"  # what a node's agent shows the driver it connects to (never on a command line)
 # The user's setting: "0" imports nothing for the ranks where they are forked from (launch/starting/preload).
 PRELOAD = "NBLAUNCH_PRELOAD"

@@ -172,7 +172,8 @@ def test_the_two_tools_write_the_same_files(runs):
     shared = ["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "random_states_0.pkl",
               "random_states_1.pkl", "scheduler.bin"]
     assert files["accelerate"] == shared
-    assert files["nblaunch"] == sorted(shared + ["nblaunch_positions_0.pkl", "nblaunch_positions_1.pkl"])
+    assert files["nblaunch"] == sorted(shared + ["nblaunch_complete.json", "nblaunch_positions_0.pkl",
+                                                 "nblaunch_positions_1.pkl"])
 
 
 def test_uninterrupted_runs_of_both_tools_agree(runs):
@@ -284,7 +285,7 @@ def test_sharded_checkpoints_are_read_by_the_other_tool(tmp_path):
         merge_fsdp_weights(ours, str(tmp_path / "merged_wrong"))
     # Accelerate's checkpoint: its sharded folders, and the files both tools write alike
     for name in os.listdir(ours):
-        if not name.startswith(("pytorch_model_fsdp_", "optimizer_", "nblaunch_positions_")):
+        if not name.startswith(("pytorch_model_fsdp_", "optimizer_", "nblaunch_")):
             shutil.copy(os.path.join(ours, name), theirs)
     resumed = under_nblaunch(fsdp_train, ours, theirs, True)
     for rank in (0, 1):

@@ -113,8 +113,9 @@ def _resume(ckpt, dispatch):
 def test_kill_and_resume_matches_uninterrupted_run(launch, tmp_path, processes, dispatch):
     ckpt = str(tmp_path / "ckpt")
     full = launch(_first_run, ckpt, dispatch, num_processes=processes)
-    assert sorted(os.listdir(ckpt)) == sorted(  # Accelerate's layout, and nblaunch's data positions
-        ["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "scaler.pt", "scheduler.bin"]
+    assert sorted(os.listdir(ckpt)) == sorted(  # Accelerate's layout, nblaunch's data positions and record
+        ["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "scaler.pt", "scheduler.bin",
+         "nblaunch_complete.json"]
         + [f"random_states_{r}.pkl" for r in range(processes)]
         + [f"nblaunch_positions_{r}.pkl" for r in range(processes)])
     resumed = launch(_resume, ckpt, dispatch, num_processes=processes)
@@ -193,6 +194,7 @@ def test_a_stateful_loader_position_nblaunch_cannot_read_is_named(tmp_path):
     acc.prepare(torch.nn.Linear(2, 2), DataLoader(list(range(8)), batch_size=2))
     acc.save_state(tmp_path)
     os.remove(tmp_path / "nblaunch_positions_0.pkl")  # as Accelerate writes it, with a StatefulDataLoader
+    os.remove(tmp_path / "nblaunch_complete.json")  # (Accelerate keeps no record of its files)
     torch.save({"_num_yielded": 2}, tmp_path / "dl_state_dict.bin")
     with pytest.warns(UserWarning, match="skip_first_batches"):
         acc.load_state(tmp_path)

@@ -49,7 +49,7 @@ from nblaunch.training.precision.compiling import CompileStep
 from nblaunch.training.runtime.state import AcceleratorState
 from nblaunch.training.step.gradient_state import GradientState
 from nblaunch.training.strategy.picking import pick_strategy
-from nblaunch.worker import channel, step_clock
+from nblaunch.worker import channel, step_clock, step_stop
 from nblaunch.training.tracking.choose import choose_trackers
 
 __all__ = ["Accelerator"]
@@ -244,6 +244,11 @@ class Accelerator(PrepareMethods, TrainingStepMethods, CollectiveMethods, Persis
         self._trigger = False
         self.trackers = []
         self._accumulate_context = None
+        self._resumed = False
+        # An interrupted launch saves through this Accelerator, and resume= loads through it, at the
+        # first step (nblaunch.worker.step_stop): the latest made in a process is the one its loop uses.
+        step_stop.keep_work_with(self._save_at_stop)
+        step_stop.before_first_step(self.resume)
         channel.report_device(str(self.device), self.mixed_precision)  # the rank's row in the cell says it
         if self.device.type != "xla":  # an XLA host runs its ranks as threads of one process: one clock would mix them
             step_clock.start(cuda=self.device.type == "cuda")  # the rank's steps, split (nblaunch.worker.step_clock)

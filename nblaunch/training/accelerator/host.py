@@ -79,6 +79,7 @@ class AcceleratorHost:
     _replaced_parameters: ReplacedParameters
     _accumulate_context: Accumulate | None  # the last accumulate()'s, reused for the same models
     _trigger: bool  # set_trigger's flag
+    _resumed: bool  # a checkpoint was loaded (by the user's load_state, or resume= before the first step)
 
     @property
     def project_dir(self) -> str | None:

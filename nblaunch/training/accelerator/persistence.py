@@ -12,13 +12,15 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from nblaunch.training.accelerator.host import AcceleratorHost
-from nblaunch.training.checkpoint import files, naming, single
+from nblaunch.contract import variables as v
+from nblaunch.training.checkpoint import files, naming, resume, single
 from nblaunch.training.checkpoint.record import Prepared
 from nblaunch.training.runtime.memory import release_memory
 
@@ -61,11 +63,54 @@ class PersistenceMethods(AcceleratorHost):
         automatic_checkpoint_naming=True)``, ``project_dir/checkpoints/checkpoint_<iteration>``,
         keeping the last ``total_limit``.
         """
-        directory = files.save_state(self._prepared(), self._checkpoint_dir(output_dir, saving=True), self.state,
-                                     self.gradient_state, safe_serialization=safe_serialization)
-        if self.project_configuration.automatic_checkpoint_naming:
-            self.project_configuration.iteration += 1
+        return self._save_into(self._checkpoint_dir(output_dir, saving=True), safe_serialization)
+
+    def _save_into(self, directory: str, safe_serialization: bool = True) -> str:
+        directory = files.save_state(self._prepared(), directory, self.state, self.gradient_state,
+                                     safe_serialization=safe_serialization)
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming and naming.number_of(directory) == config.iteration:
+            config.iteration += 1
         return directory
+
+    def _save_at_stop(self, steps: int, announce: Callable[[str], None]) -> str:
+        """A launch stopped at a common step (``nblaunch.worker.step_stop``): save there, on every
+        rank, where ``resume=True`` finds it (``checkpoint.resume``); returns the folder."""
+        folder = resume.stop_folder(self.project_configuration, resume.launch_folder())
+        self.wait_for_everyone()  # every rank chose the same numbered folder before any makes it
+        if folder is None:
+            folder = self._checkpoint_dir(None, saving=True)
+        folder = os.path.abspath(folder)
+        announce(folder)
+        return self._save_into(folder)
+
+    def resume(self) -> str | None:
+        """Load now what the launch's ``resume=`` names, and return its folder (None: nothing to
+        resume, or loaded already). Without this call it is loaded before the first step; call it
+        after ``prepare`` to change something the checkpoint restores, such as the learning rate.
+
+        Example::
+
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            if accelerator.resume():                # notebook_launcher(..., resume=True)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr                # the new learning rate from here on
+        """
+        asked = os.environ.get(v.RESUME)
+        if not asked or self._resumed:
+            return None
+        folder = resume.to_resume(asked, self.project_configuration, resume.launch_folder())
+        if folder is None:
+            self._resumed = True
+            if self.is_main_process:
+                print("nblaunch: resume=True found no checkpoint yet: training starts from the first step",
+                      file=sys.stderr)
+            return None
+        resume.check_resumable(folder, self.num_processes)
+        self.load_state(folder)
+        if self.is_main_process:
+            print(f"nblaunch: resumed from {folder}", file=sys.stderr)
+        return folder
 
     def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True, **kwargs: Any) -> None:
         """Restore what :meth:`save_state` wrote; prepared DataLoaders resume mid-epoch. With
@@ -73,6 +118,7 @@ class PersistenceMethods(AcceleratorHost):
         is numbered after it."""
         directory = self._checkpoint_dir(input_dir, saving=False)
         files.load_state(self._prepared(), directory, self.state, self.gradient_state, strict=strict)
+        self._resumed = True  # resume= then loads nothing more
         config = self.project_configuration
         loaded = naming.number_of(directory) if config.automatic_checkpoint_naming else None
         if loaded is not None and os.path.dirname(os.path.normpath(directory)) == os.path.join(

@@ -15,6 +15,9 @@ A checkpoint directory (files of the main process unless marked per rank)::
                                                   Accelerate's format (torch.save of a dict)
     nblaunch_positions_{r}.pkl                    per rank, nblaunch only: the data position of
                                                   every prepared DataLoader
+    nblaunch_complete.json                        nblaunch only, written last: every file and its
+                                                  size (``completeness``: a half-written folder is
+                                                  never loaded)
     what the strategy writes                      a model spread over the ranks and its optimizer,
                                                   instead of the files above, in its stack's layout
                                                   (FSDP: pytorch_model_fsdp_{i}/, optimizer_{i}/;
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nblaunch.training.checkpoint import layout
+from nblaunch.training.checkpoint import completeness, layout
 from nblaunch.training.checkpoint.record import Prepared
 from nblaunch.training.model.unwrap import unwrap_model
 from nblaunch.training.runtime import xla
@@ -107,6 +110,8 @@ def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: Partial
     rng = get_rng_states(state.device)  # before the syncs below: each one moves the XLA seed
     save = host_saver(state)
     os.makedirs(output_dir, exist_ok=True)  # every rank: a per-node disk has no main process writing it
+    if state.is_local_main_process:
+        completeness.mark_unfinished(output_dir)  # not whole until the record below replaces this one
     written = prepared.strategy.save_states(prepared.models, prepared.optimizers, output_dir, state)
     if state.is_main_process:
         for i, model in enumerate(prepared.models):
@@ -130,6 +135,9 @@ def save_state(prepared: Prepared, output_dir: str | os.PathLike, state: Partial
                  "dataloaders": [loader.state_dict() for loader in prepared.dataloaders]}
     with open(os.path.join(output_dir, layout.positions_name(rank)), "wb") as f:
         pickle.dump(positions, f)
+    state.wait_for_everyone()  # every rank wrote its part
+    if state.is_local_main_process:  # each node's: a per-node disk has its own folder to mark
+        completeness.mark_complete(output_dir, state.num_processes)  # last: what is recorded is whole
     state.wait_for_everyone()  # nobody reads the checkpoint before it is complete
     if "xla" in rng:
         # Undo what this function's syncs did to the XLA seed: the run goes on with the random
@@ -168,6 +176,7 @@ def load_state(prepared: Prepared, input_dir: str | os.PathLike, state: PartialS
     input_dir = os.fspath(input_dir)
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"checkpoint directory {input_dir!r} does not exist")
+    completeness.check_complete(input_dir)  # before anything is loaded: a half-written one never is
     custom = [f for f in os.listdir(input_dir) if re.match(layout.CUSTOM_PATTERN, f)]
     if len(custom) != len(prepared.custom_objects):
         raise ValueError(f"{input_dir!r} holds {len(custom)} registered objects' states, "
