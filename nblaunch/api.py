@@ -75,6 +75,7 @@ def notebook_launcher(
     cpu: bool = False,
     detach: bool = False,
     stall_after: float | None = STALL_AFTER_S,
+    resume: bool | str = False,
 ) -> list[Any] | "Launch" | DetachedLaunch:
     """Run ``function(*args)`` in ``num_processes`` worker processes and return their results.
 
@@ -136,6 +137,14 @@ def notebook_launcher(
             after which the cell shows, without stopping anything, each rank's stack and which
             ranks wait in which collective for which rank; cleared when progress resumes.
             None never looks.
+        resume: True starts the ranks so that their ``Accelerator`` loads the latest complete
+            checkpoint before the first step (the one an interrupted launch of this function
+            saved, or the latest under its ``project_dir``): prepared DataLoaders skip what was
+            used, the scheduler and random states go on. A folder loads that checkpoint. A
+            half-written checkpoint, or one saved by another number of processes, is refused
+            before any step. (An interrupt, ``timeout`` or ``cancel()`` during a launch that
+            trains through nblaunch's Accelerator stops every rank at one common step and saves
+            there; the cell names the folder.)
         rdzv_endpoint: Accelerate's ``"host:port"`` of the rendezvous: the same as
             ``master_addr`` and ``use_port`` (refused where they disagree).
         rdzv_id: the job's name, ``TORCHELASTIC_RUN_ID`` in every rank as under torchrun.
@@ -176,7 +185,7 @@ def notebook_launcher(
         function, args, num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
         master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, start_method=start_method,
         timeout=timeout, display=display, cpu=cpu, max_restarts=max_restarts, cluster=cluster, resources=resources,
-        stall_after=stall_after,
+        stall_after=stall_after, resume=resume,
         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id,
         monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template)
     opened = open_cluster(request)
@@ -200,7 +209,7 @@ def notebook_launcher(
 # How the ranks start: decided when a WarmRanks is made, so not for ranks= to change.
 _DECIDED_BY_THE_POOL = ("mixed_precision", "use_port", "master_addr", "node_rank", "start_method", "max_restarts",
                         "monitor_interval", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "rdzv_id",
-                        "log_line_prefix_template", "cluster", "cpu", "stall_after")
+                        "log_line_prefix_template", "cluster", "cpu", "stall_after", "resume")
 
 
 def _refuse_launch_options_on_warm_ranks(given: dict[str, Any]) -> None:

@@ -52,10 +52,13 @@ def train_digits(epochs: int = 5, batch_size: int = 32, lr: float = 2e-3, mixed_
     test_loader = DataLoader(test_set, batch_size=64)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     loss_fn = nn.CrossEntropyLoss()
+    accelerator.resume()  # `nblaunch demo --resume`: where Ctrl-C stopped the last one, before the loop counts epochs
 
     losses = []
     step = 0
-    for epoch in range(epochs):
+    # A resumed demo with no epoch left reports the model it loaded.
+    correct, total = evaluate(accelerator, model, test_loader) if train_loader.epoch >= epochs else (0, 0)
+    for epoch in range(train_loader.epoch, epochs):
         model.train()
         for images, labels in train_loader:
             loss = loss_fn(model(images), labels)
@@ -65,15 +68,21 @@ def train_digits(epochs: int = 5, batch_size: int = 32, lr: float = 2e-3, mixed_
             step += 1
             losses.append(loss.item())
             accelerator.log({"loss": loss.item()}, step=step)
-        model.eval()
-        correct = total = 0
-        with torch.no_grad():
-            for images, labels in test_loader:
-                predictions = accelerator.gather_for_metrics(model(images).argmax(dim=1))
-                targets = accelerator.gather_for_metrics(labels)
-                correct += (predictions == targets).sum().item()
-                total += targets.numel()
+        correct, total = evaluate(accelerator, model, test_loader)
         accelerator.log({"test_accuracy": correct / total}, step=step)
         accelerator.print(f"epoch {epoch + 1}/{epochs}: loss {sum(losses[-10:]) / len(losses[-10:]):.3f}, "
                           f"test accuracy {correct / total:.3f} ({total} images)")
     return {"rank": accelerator.process_index, "test_accuracy": correct / total, "losses": losses}
+
+
+def evaluate(accelerator, model: nn.Module, test_loader) -> tuple[int, int]:
+    """Correct predictions and images over the whole test set (every rank's share gathered)."""
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for images, labels in test_loader:
+            predictions = accelerator.gather_for_metrics(model(images).argmax(dim=1))
+            targets = accelerator.gather_for_metrics(labels)
+            correct += (predictions == targets).sum().item()
+            total += targets.numel()
+    return correct, total

@@ -49,10 +49,11 @@ def test_one_process_is_a_launch_with_its_line_and_no_agreement_claim():
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
+def test_ctrl_c_stops_the_demo_at_one_step_with_its_state_saved_and_resume_goes_on(tmp_path):
+    env = {**os.environ, "NBLAUNCH_STATE_DIR": str(tmp_path)}  # the demo's checkpoints: under its runs/
     # A terminal's Ctrl-C reaches the whole foreground process group.
     process = subprocess.Popen([sys.executable, "-m", "nblaunch", "demo", "--epochs", "200"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in process.stdout:
@@ -62,14 +63,19 @@ def test_ctrl_c_stops_with_one_line_per_rank_and_exit_130(tmp_path):
     rest, _ = process.communicate(timeout=60)
     assert process.returncode == 130, rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
-    stopped = re.findall(r"^\[rank (\d)\] stopped at demo\.py, line \d+, in \w+: .+ \(whole stack: (\S+)\)$",
+    stopped = re.findall(r"^\[rank (\d)\] stopped: stopped after (\d+) training steps; its state is saved in (\S+)$",
                          rest, re.M)
-    assert sorted(rank for rank, _ in stopped) == ["0", "1"], rest
-    for _, log in stopped:  # the stacks went to the log
-        with open(log, encoding="utf-8") as f:
-            assert re.search(r"--- stack when the launch stopped \(\d\d:\d\d:\d\d\) ---\nThread MainThread", f.read())
-    assert rest.rstrip().splitlines()[-1].startswith("nblaunch: interrupted after")
-    assert len(rest.splitlines()) <= 10, rest
+    assert sorted(rank for rank, _, _ in stopped) == ["0", "1"], rest
+    assert len({(steps, folder) for _, steps, folder in stopped}) == 1, rest  # one step, one folder
+    folder = stopped[0][2]
+    assert folder.startswith(str(tmp_path / "runs" / "train_digits" / "checkpoints")), folder
+    last = rest.rstrip().splitlines()[-1]
+    assert last.startswith("nblaunch: interrupted after") and "the same command with --resume" in last, rest
+    assert len(rest.splitlines()) <= 12, rest
+    resumed = run("demo", "--epochs", "2", "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {folder}" in resumed.stderr
+    assert "epoch 2/2" in resumed.stdout and "epoch 1/2" not in resumed.stdout, resumed.stdout  # epoch 1 was done
 
 
 def test_without_scikit_learn_it_says_what_to_install(tmp_path):
@@ -92,7 +98,7 @@ def test_help_is_plain_text_with_every_option_explained():
     assert top.stdout.startswith("usage: python -m nblaunch ")
     # Every option says what it does and its default.
     options = re.findall(r"^  (--[a-z-]+)", demo.stdout, re.M)
-    assert options == ["--num-processes", "--cpu", "--epochs", "--mixed-precision", "--start-method"]
+    assert options == ["--num-processes", "--cpu", "--epochs", "--mixed-precision", "--resume", "--start-method"]
     assert " ".join(demo.stdout.split()).count("(default: ") == len(options)
 
 

@@ -27,6 +27,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       help="passes over the training images (default: 5)")
     demo.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"],
                       help="train in lower precision (default: no)")
+    demo.add_argument("--resume", action="store_true",
+                      help="go on where Ctrl-C stopped the last demo, from the checkpoint it saved (default: from the start)")
     demo.add_argument("--start-method", default=None, choices=["fork", "spawn"],
                       help="how the processes start (default: fork where it is safe, else spawn)")
 
@@ -42,14 +44,16 @@ def run(options: argparse.Namespace) -> int:
 
     results, status = launch_in_terminal(
         "demo", train_digits, (options.epochs,), num_processes=options.num_processes,
-        mixed_precision=options.mixed_precision, start_method=options.start_method, cpu=options.cpu)
+        mixed_precision=options.mixed_precision, start_method=options.start_method, cpu=options.cpu,
+        resume=options.resume)
     if results is None:
         return status
     first = results[0]
     accuracies = {r["test_accuracy"] for r in results}
     epochs = f"{options.epochs} epoch{'s' if options.epochs > 1 else ''}"
-    print(f"test accuracy {first['test_accuracy']:.3f} after {epochs}; "
-          f"training loss {first['losses'][0]:.3f} -> {first['losses'][-1]:.3f}")
+    losses = first["losses"]  # a resumed demo's: the steps it took
+    print(f"test accuracy {first['test_accuracy']:.3f} after {epochs}"
+          + (f"; training loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""))
     if len(results) > 1:
         if len(accuracies) > 1:
             print(f"the {len(results)} processes disagree on the test accuracy: {sorted(accuracies)}", file=sys.stderr)

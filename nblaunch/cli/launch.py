@@ -28,7 +28,9 @@ _DESCRIPTION = """\
 Run a training script on several processes: each one runs it as __main__ with the same
 arguments, RANK/WORLD_SIZE/MASTER_ADDR set, its output tagged with its rank. The first rank
 that fails stops every rank within a second and is named first; Ctrl-C shows where every rank
-was (in the log) and stops them all; the processes never outlive this command.
+was (in the log) and stops them all; the processes never outlive this command. A script that
+trains through nblaunch's Accelerator stops at one step on Ctrl-C or --timeout and saves its
+state there; --resume goes on from it.
 
 Options can come from an Accelerate config file (what `accelerate config` writes): --config_file
 PATH, or Accelerate's default file when it exists ($HF_HOME/accelerate/default_config.yaml;
@@ -116,6 +118,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
              "(needs nblaunch[ray]); slurm, this Slurm job's nodes (every one unless --num-nodes)")
     add("--timeout", type=seconds, default=None, metavar="S",
         help="stop every rank, showing where each was, after S seconds")
+    add("--resume", action="store_true",
+        help="every rank's Accelerator loads the latest complete checkpoint before its first step: a run that "
+             "Ctrl-C or --timeout stopped goes on where it stopped")
+    add("--resume-from", "--resume_from", default=None, metavar="PATH",
+        help="as --resume, from the checkpoint folder PATH")
     add("--max-restarts", "--max_restarts", type=at_least_zero, default=0, metavar="M",
         help="after a failure, start every rank again, up to M times")
     add("--start-method", choices=["fork", "spawn"], default=None,
@@ -194,7 +201,8 @@ def run(options: argparse.Namespace) -> int:
         num_processes=options.num_processes, mixed_precision=options.mixed_precision,
         num_nodes=options.num_nodes, node_rank=options.node_rank, master_addr=options.master_addr,
         use_port=options.port, cluster=options.cluster, timeout=options.timeout,
-        max_restarts=options.max_restarts, start_method=options.start_method, cpu=options.cpu)
+        max_restarts=options.max_restarts, start_method=options.start_method, cpu=options.cpu,
+        resume=options.resume_from or options.resume)
     return status
 
 

@@ -88,6 +88,8 @@ def header_html(view: LaunchView, now: float) -> str:
         + (f' <span style="{MUTED}">({escape(plan.start_reason)})</span>' if plan.start_reason else ""),
         f"rendezvous: {escape(plan.rendezvous)}" if view.placed is None else escape(view.placed.line),
     ]
+    if view.stopping is not None and view.finished is None:
+        facts.append(f'<span style="color: #b45309">{escape(view.stopping.line)}</span>')
     if view.waiting is not None and view.placed is None:
         facts.append(f'<span style="color: #b45309">{escape(view.waiting.line)}</span>')
     if view.restarted is not None:

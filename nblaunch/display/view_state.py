@@ -22,6 +22,7 @@ from nblaunch.display.logring import LogLine, LogRing
 from nblaunch.display.series import Series
 from nblaunch.events import (
     ClusterWaiting,
+    LaunchStopping,
     StallCleared,
     Stalled,
     Event,
@@ -122,6 +123,7 @@ class LaunchView:
         self._implicit_steps: dict[tuple[str, int], int] = {}
         self.restarted: LaunchRestarting | None = None  # the latest restart, if any
         self.placed: RanksPlaced | None = None  # where a cluster put the ranks
+        self.stopping: LaunchStopping | None = None  # stopping at a common step to save the work
         self.waiting: ClusterWaiting | None = None  # why the cluster has not yet
         self.stall: Stalled | None = None  # who holds the others up, while no rank makes progress
         self.step_book = StepBook()  # the ranks' steps, split (nblaunch.step_split)
@@ -218,6 +220,9 @@ class LaunchView:
             self.dirty.add(HEADER)
         elif isinstance(event, ClusterWaiting):
             self.waiting = event
+            self.dirty.add(HEADER)
+        elif isinstance(event, LaunchStopping):
+            self.stopping = event
             self.dirty.add(HEADER)
         elif isinstance(event, LaunchRestarting):
             self._restart(event)

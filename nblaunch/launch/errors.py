@@ -15,6 +15,8 @@ report arrives as a ``RankFailure`` already).
 
 from __future__ import annotations
 
+import dataclasses
+
 import concurrent.futures
 import re
 import signal
@@ -106,17 +108,40 @@ class RankFailedError(RuntimeError):
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptWork:
+    """What a stopped launch kept: every rank stopped after ``steps`` training steps and saved its
+    state in ``checkpoint`` (``launch.kept`` on the error an interrupt, a timeout or a cancel raised)."""
+
+    steps: int
+    checkpoint: str
+
+    def __str__(self) -> str:
+        return (f"every rank stopped after {self.steps} training steps and saved its state in {self.checkpoint}; "
+                "go on from there with notebook_launcher(..., resume=True), or in a terminal the same command with "
+                "--resume")
+
+
 class LaunchInterrupted(KeyboardInterrupt):
     """The launch was interrupted (the kernel's ■, Ctrl-C); every rank was stopped first. A
-    ``KeyboardInterrupt``, so code that catches that goes on working."""
+    ``KeyboardInterrupt``, so code that catches that goes on working. ``kept``: where the ranks
+    saved their work, when they trained under nblaunch's Accelerator (else None)."""
+
+    kept: KeptWork | None = None
 
 
 class LaunchCancelledError(concurrent.futures.CancelledError):
-    """A non-blocking launch was stopped with ``cancel()`` (or the widget's Stop button)."""
+    """A non-blocking launch was stopped with ``cancel()`` (or the widget's Stop button);
+    ``kept`` as for ``LaunchInterrupted``."""
+
+    kept: KeptWork | None = None
 
 
 class LaunchTimeoutError(TimeoutError):
-    """The launch ran past ``timeout=``; every rank was stopped. ``stacks`` says where each was."""
+    """The launch ran past ``timeout=``; every rank was stopped. ``stacks`` says where each was;
+    ``kept`` as for ``LaunchInterrupted``."""
+
+    kept: KeptWork | None = None
 
     def __init__(self, timeout: float, stacks: dict[int, str]):
         self.timeout = timeout

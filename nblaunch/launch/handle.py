@@ -313,7 +313,9 @@ class Launch:
                     return watcher.run()
                 except LaunchTimeoutError as error:
                     figure = self._timeout if self._timeout is not None else error.timeout  # the user's figure
-                    raise LaunchTimeoutError(figure, error.stacks) from None
+                    again = LaunchTimeoutError(figure, error.stacks)
+                    again.kept = error.kept
+                    raise again from None
         except KeyboardInterrupt as interrupt:
             if isinstance(interrupt, LaunchInterrupted):
                 raise
@@ -339,14 +341,20 @@ def _ending(error: BaseException, elapsed: float, plan: LaunchPlan) -> tuple[str
         )
     if isinstance(error, LaunchTimeoutError):
         status = "timed out"
-        summary = f"timed out after {elapsed:.2f} s (timeout={error.timeout:g}); every rank was stopped"
+        summary = f"timed out after {elapsed:.2f} s (timeout={error.timeout:g}); {_stopped(error)}"
     elif isinstance(error, KeyboardInterrupt):
-        status, summary = "interrupted", f"interrupted after {elapsed:.2f} s; every rank was stopped"
+        status, summary = "interrupted", f"interrupted after {elapsed:.2f} s; {_stopped(error)}"
     elif isinstance(error, LaunchCancelledError):
-        status, summary = "cancelled", f"cancelled after {elapsed:.2f} s; every rank was stopped"
+        status, summary = "cancelled", f"cancelled after {elapsed:.2f} s; {_stopped(error)}"
     else:
         status, summary = "failed", f"the launch failed after {elapsed:.2f} s: {error!r}"
     return status, LaunchFinished(RankState.STOPPED, elapsed, error=error, summary=summary)
+
+
+def _stopped(error: BaseException) -> str:
+    """How the ranks were stopped: at a common step with their state saved (where), or where they were."""
+    kept = getattr(error, "kept", None)
+    return str(kept) if kept is not None else "every rank was stopped"
 
 
 _unfinished: "weakref.WeakSet[Launch]" = weakref.WeakSet()  # non-blocking launches not yet done

@@ -41,6 +41,7 @@ from nblaunch.launch.processes.packing import Payload, package
 from nblaunch.launch.processes.processes import WorkerProcess, kill_and_reap
 from nblaunch.launch.supervising.gpu_usage import GpuSampler
 from nblaunch.launch.supervising.supervisor import Supervisor
+from nblaunch.worker.calls import serve_calls
 
 class LocalCluster:
     """Ranks as processes of this machine (see the module's docstring)."""
@@ -103,8 +104,11 @@ class LocalCluster:
                 pipes=[end for w in workers for end in w.rank_pipe_ends()],
             )
             record.save()
+            # Ranks stop at one common step and save only where all of them are here: across nodes
+            # each node's supervisor would pick its own step.
+            keeps_work = plan.world_size == plan.num_processes and plan.request.function is not serve_calls
             supervisor = Supervisor(workers, emit, time_left, gpus, plan.request.stall_after,
-                                    first_rank=plan.node_rank * plan.num_processes)
+                                    first_rank=plan.node_rank * plan.num_processes, keeps_work=keeps_work)
             yield supervisor
         except BaseException:
             kill_and_reap(workers)  # normally done by the supervisor; not if starting failed midway

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import resource
 import sys
 import warnings
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from nblaunch.contract import variables as v
 from nblaunch.contract.precision import AUTO, FP8_EMULATED_ON_CPU, FP8_HARDWARE, fast_precision
+from nblaunch.detached.store import state_root
 from nblaunch.launch.errors import LaunchConfigError
 from nblaunch.launch.planning import cuda_culprit, devices, ports, tpu
 from nblaunch.launch.planning.compile_cache import compile_environ
@@ -86,6 +88,9 @@ class LaunchPlan:
         env.update(compile_environ(self.num_processes))  # compiled code kept for the next launch
         if request.stall_after is not None:
             env[v.STALL_AFTER] = repr(float(request.stall_after))
+        env[v.CHECKPOINTS] = launch_checkpoints(request.function_name)  # where a stop saves without project_dir
+        if request.resume:
+            env[v.RESUME] = "latest" if request.resume is True else request.resume
         if self.device_kind != "xla":
             # The store lives in node 0's launcher, not in rank 0, and no rank leaves
             # init_process_group before every rank's group is connected: see launch/rendezvous.py.
@@ -103,6 +108,14 @@ class LaunchPlan:
             env[v.FORCE_CPU] = "1"
             env[v.CUDA_VISIBLE_DEVICES] = ""
         return env
+
+
+def launch_checkpoints(function_name: str) -> str:
+    """Where a launch of ``function_name`` saves its work when stopped and its Accelerator has no
+    ``project_dir``: one folder per function under the user's state folder, so that ``resume=True``
+    in a new process finds it."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", function_name).strip("._") or "function"
+    return os.path.join(state_root(), "runs", safe, "checkpoints")
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:

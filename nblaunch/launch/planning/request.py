@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -60,6 +61,7 @@ class LaunchRequest:
     cluster: str | None = None  # which cluster: read by nblaunch.clusters, nowhere else
     resources: Mapping[str, Any] | None = None  # what a cluster's class asks it for (Slurm, outside an allocation)
     stall_after: float | None = STALL_AFTER_S  # seconds without progress before the cell shows a stall; None: never
+    resume: bool | str = False  # True: the latest checkpoint, loaded before the first step; a str: that folder
 
     def __post_init__(self) -> None:
         function, args = self.function, self.args
@@ -99,6 +101,7 @@ class LaunchRequest:
                                     f"got {self.run_id!r}")
         if self.cluster is not None and not isinstance(self.cluster, str):
             raise LaunchConfigError(f"cluster must be None (this machine) or a cluster's name, got {self.cluster!r}")
+        self._set("resume", _checked_resume(self.resume, self.num_processes, self.num_nodes))
         if self.resources is not None and not isinstance(self.resources, Mapping):
             raise LaunchConfigError(f"resources must be a dict of what to ask the cluster for (e.g. "
                                     f"{{'partition': 'gpu', 'time': '1:00:00'}}), got {self.resources!r}")
@@ -181,6 +184,33 @@ def check_call(function: Callable, args: tuple) -> None:
         raise LaunchConfigError(
             f"{name}{signature} cannot be called with args={args!r}: {error}. Pass args=(...) with one "
             "value per parameter.") from None
+
+
+def _checked_resume(resume: Any, num_processes: int | None, num_nodes: int | None) -> bool | str:
+    """``resume=`` as True/False or an absolute folder; a folder that is missing, half written or
+    saved by another number of processes is refused here, before any process starts."""
+    if isinstance(resume, bool):
+        return resume
+    if not isinstance(resume, (str, os.PathLike)):
+        raise LaunchConfigError(f"resume must be True (the latest checkpoint), False, or a checkpoint folder; "
+                                f"got {resume!r}")
+    folder = os.path.abspath(os.fspath(resume))
+    if not os.path.isdir(folder):
+        raise LaunchConfigError(f"resume={os.fspath(resume)!r}: no such folder. Give a folder save_state wrote "
+                                "(the cell of an interrupted launch names it), or resume=True for the latest")
+    # Deferred: the training side imports torch, which a launch that resumes nothing never needs here.
+    from nblaunch.training.checkpoint import completeness
+
+    try:
+        completeness.check_complete(folder)
+    except completeness.IncompleteCheckpointError as error:
+        raise LaunchConfigError(str(error)) from None
+    saved = completeness.saved_by(folder)
+    if saved is not None and num_processes is not None and saved != num_processes * (num_nodes or 1):
+        raise LaunchConfigError(
+            f"resume={folder!r} was saved by {saved} processes and this launch starts {num_processes * (num_nodes or 1)}: "
+            f"each rank's data position and random states are its own. Launch with num_processes={saved} to resume it")
+    return folder
 
 
 def _check_timeout(timeout: Any) -> None:

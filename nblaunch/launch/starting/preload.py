@@ -7,7 +7,7 @@ caller waits in the launch (its thread is inside ``notebook_launcher``: no cell 
 runs meanwhile, so nothing of theirs meets a library half imported). It imports on a thread of
 its own and waits for each library at most ``WAIT_FOR_A_PACKAGE_S``; one that takes longer is
 left to the ranks (a rank forked meanwhile forgets what was half imported and imports it itself:
-``worker.inherited.forget_half_imported``). What an import writes into ``os.environ`` is put
+``worker.starting.inherited.forget_half_imported``). What an import writes into ``os.environ`` is put
 back and handed to the ranks; what it prints lands in the launching cell, whose launch asked for
 it. The launch server does the same in its own process (``server_process``), where a library
 that starts CUDA or a thread, or reads a rank's variables at import, would break the ranks

@@ -27,7 +27,8 @@ from nblaunch.launch.errors import (LaunchCancelledError, LaunchInterrupted, Lau
 from nblaunch.launch.processes.packing import Payload
 from nblaunch.launch.supervising.gpu_usage import SAMPLE_EVERY_S, GpuSampler
 from nblaunch.launch.processes.processes import WorkerProcess
-from nblaunch.launch.supervising.interrupts import interrupts_wait
+from nblaunch.launch.supervising.interrupts import DeferredInterrupts, interrupts_wait
+from nblaunch.launch.supervising.keeping_work import STACKS_ON_STOP_S, KeepingWork
 from nblaunch.launch.supervising.oom_kills import OomKills
 from nblaunch.launch.supervising import call_frames
 from nblaunch.launch.supervising.stall import StallReports
@@ -37,19 +38,21 @@ from nblaunch.launch.supervising.watched_rank import WatchedRank
 _READ_SIZE = 1 << 20
 _POLL_WITHOUT_PIDFD_S = 0.05  # where pidfds are missing, exits are found by polling
 _STACKS_ON_FAILURE_S = 0.05  # a healthy rank answers in milliseconds; the failure is what matters
-_STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
 _COALESCE_OUTPUT_S = 0.002  # after a small read of output, let more of it arrive before the next read
 _COALESCE_BELOW = 64 * 1024
 _DRAIN_MAX_READS = 64  # after a rank's exit, what its pipes held: at most 64 MiB each
 
 _FD_STDOUT, _FD_STDERR, _FD_EVENTS, _FD_EXIT, _FD_WAKE = "stdout", "stderr", "events", "exit", "wake"  # see WatchedRank
 
-class Supervisor(StoppingRanks):
-    """Runs one launch's ranks to the end and returns their results in rank order."""
+class Supervisor(StoppingRanks, KeepingWork):
+    """Runs one launch's ranks to the end and returns their results in rank order. ``keeps_work``:
+    an interrupt, the timeout or a cancel first stops them at one step to save (``keeping_work``)."""
 
     def __init__(self, processes: list[WorkerProcess], emit: Callable[[Event], None], timeout: float | None,
-                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0):
+                 gpus: GpuSampler | None = None, stall_after: float | None = None, first_rank: int = 0,
+                 keeps_work: bool = False):
         self._emit = emit
+        self._init_keeping_work(keeps_work)
         self._gpus = gpus  # each rank's GPU, sampled every SAMPLE_EVERY_S for its row
         self._next_sample = 0.0
         self._timeout = timeout
@@ -67,8 +70,7 @@ class Supervisor(StoppingRanks):
         self._stalls = StallReports(stall_after, emit, first_rank)
         self._oom_kills = OomKills()  # a SIGKILL is blamed on the out-of-memory killer only if these rise
         self._call_sent = False  # a warm pool's call went out: the stall clock starts again
-        # cancel() may come from any thread: it writes here to wake the select loop.
-        self._wake_lock = threading.Lock()
+        self._wake_lock = threading.Lock()  # cancel() from any thread writes to wake the select loop
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._selector.register(self._wake_read, selectors.EVENT_READ, (None, _FD_WAKE))
@@ -83,6 +85,7 @@ class Supervisor(StoppingRanks):
     # ----------------------------------------------------------------------------- main loop
     def run(self) -> list[Any]:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        deferred = DeferredInterrupts(self._wake_write)  # an interrupt lands at the loop's top, nothing half read
         try:
             # Said here, not when made: whoever waits for the ranks (a warm pool's first call) then
             # finds the launch holding this supervisor, ready to take frames for them. Inside the
@@ -91,6 +94,7 @@ class Supervisor(StoppingRanks):
             for rank in self._ranks.values():
                 self._emit(RankStarted(rank=rank.number, pid=rank.process.pid))
             while self._live():
+                deferred.raise_if_pressed()
                 now = time.monotonic()
                 if self._gpus is not None and now >= self._next_sample:
                     self._sample_gpus(now)
@@ -122,19 +126,32 @@ class Supervisor(StoppingRanks):
                     if not self._cancel_requested:
                         self._cancel_as = LaunchTimeoutError(self._timeout, {})
                     self._stopping_on_request = True
-                    self._stop(_STACKS_ON_STOP_S, fallback=True)
-                    if self._failures() and not isinstance(self._cancel_as, LaunchTimeoutError):
+                    timed_out = isinstance(self._cancel_as, LaunchTimeoutError)
+                    kept = self._keep_work_then_stop("timed out" if timed_out else "cancelled")
+                    if self._finished_meanwhile():
+                        break
+                    if self._failures() and not timed_out:
                         continue  # a rank's own failure came in while cancelling: that is what is raised
-                    error = self._cancel_as or LaunchCancelledError("the launch was cancelled; every rank was stopped")
-                    raise LaunchTimeoutError(error.timeout, dict(self._stacks)) if isinstance(error, LaunchTimeoutError) else error
+                    error = self._cancel_as or LaunchCancelledError(
+                        f"the launch was cancelled; {kept or 'every rank was stopped'}{self._not_kept}")
+                    if timed_out:
+                        error = LaunchTimeoutError(error.timeout, dict(self._stacks))
+                    error.kept = kept
+                    raise error
         except KeyboardInterrupt:
             with interrupts_wait():  # Ctrl-C twice must not cut the stop short
+                kept = None
                 if not self._stopping:
                     self._stopping_on_request = True
-                    self._stop(_STACKS_ON_STOP_S, fallback=True)
+                    kept = self._keep_work_then_stop("interrupted")
                 self._teardown()
-            raise LaunchInterrupted("every rank was stopped; where each one was is shown above") from None
+            if not self._finished_meanwhile():
+                error = LaunchInterrupted(f"{kept}" if kept else
+                                          f"every rank was stopped; where each one was is shown above{self._not_kept}")
+                error.kept = kept
+                raise error from None
         finally:
+            deferred.restore()
             self._teardown()
         failures = self._failures()
         if failures:
@@ -281,6 +298,8 @@ class Supervisor(StoppingRanks):
     # ----------------------------------------------------------------------------- frames
     def _on_frame(self, rank: WatchedRank, kind: bytes, body: bytes) -> None:
         r = rank.number
+        if self._on_stop_frame(r, kind, body):
+            return
         if kind == wire.RESULT:
             try:
                 rank.result = pickle.loads(body)
@@ -360,7 +379,10 @@ class Supervisor(StoppingRanks):
             return
         if rank.failure is None:
             if process.killed_by_launcher or self._stopping_on_request:
-                self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail="stopped by the launcher", exitcode=code))
+                stopped = self._stopped.get(rank.number)
+                detail = (f"stopped after {stopped[0]} training steps; its state is saved in {stopped[1]}" if stopped
+                          else "stopped by the launcher")
+                self._emit(RankFinished(rank=rank.number, state=RankState.STOPPED, detail=detail, exitcode=code))
                 return
             oom_killed = self._oom_kills.rose() if code == -signal.SIGKILL else None
             self._fail(rank, failure_from_exit(rank.number, code, list(rank.tail), process.ended_because(), oom_killed))
