@@ -1,5 +1,6 @@
 """Accelerate's memory helpers: ``release_memory`` and ``find_executable_batch_size``, which
-retries a function with half the batch size after every out-of-memory error.
+retries a function with half the batch size after every out-of-memory error (in a launch of
+several ranks, every rank together: ``batch_search``).
 
 Example::
 
@@ -11,9 +12,12 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import itertools
 from typing import Any, Callable
 
 import torch
+
+from nblaunch.training.runtime.batch_search import BatchSearch
 
 __all__ = ["release_memory", "find_executable_batch_size"]
 
@@ -38,7 +42,10 @@ def _out_of_memory(error: BaseException) -> bool:
 def find_executable_batch_size(function: Callable | None = None, starting_batch_size: int = 128,
                                reduce_batch_size_fn: Callable[[], int] | None = None) -> Callable:
     """Decorator: call ``function(batch_size, ...)`` from ``starting_batch_size``, halving the
-    batch size after each out-of-memory error, as Accelerate's decorator of that name.
+    batch size after each out-of-memory error, as Accelerate's decorator of that name. In a launch
+    of several ranks an out-of-memory error on any rank makes every rank retry the same smaller
+    size together (no rank waits for ever in a collective, none trains on another size), and the
+    cell says the sizes tried.
 
     Example::
 
@@ -60,6 +67,9 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
         if args and first is not None and len(args) >= len(inspect.signature(function).parameters):
             raise TypeError(f"{function.__name__} gets its first argument ({first}) from "
                             "find_executable_batch_size: do not pass it")
+        search = BatchSearch.here()
+        if search is not None:
+            return _search_together(search, function, args, kwargs)
         while True:
             if batch_size == 0:
                 raise RuntimeError("no executable batch size found: it reached zero")
@@ -70,5 +80,34 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
                     raise
                 release_memory()
                 batch_size = shrink()
+
+    def _search_together(search: BatchSearch, function: Callable, args: tuple, kwargs: dict) -> Any:
+        nonlocal batch_size
+        for attempt in itertools.count():
+            if batch_size == 0:
+                raise RuntimeError("no executable batch size found on every rank: it reached zero")
+            search.tried.append(batch_size)
+            result, failure, outcome = None, None, "ok"
+            try:
+                result = function(batch_size, *args, **kwargs)
+            except Exception as error:
+                failure, outcome = error, ("oom" if _out_of_memory(error) else "error")
+                if outcome == "oom":
+                    release_memory()
+                    search.ran_out()  # a peer waiting on this rank in a collective raises now
+            verdicts = search.vote(attempt, outcome)
+            short = sorted(r for r, verdict in verdicts.items() if verdict == "oom")
+            if not short:
+                if failure is not None:
+                    raise failure
+                tried = ", ".join(map(str, search.tried))
+                search.say(f"every rank trained with batch size {batch_size} (tried {tried})")
+                return result
+            failed_at, batch_size = batch_size, shrink()
+            search.say(f"out of memory at batch size {failed_at} on rank {', '.join(map(str, short))}: "
+                       f"every rank retries with {batch_size}")
+            release_memory()
+            search.retry_together(attempt)
+        raise AssertionError("unreachable")
 
     return wrapper

@@ -59,6 +59,17 @@ def form_pool_group() -> None:
     dist.init_process_group = _answered_by_the_pool(dist, backend)
 
 
+def adopt_group() -> None:
+    """Take the default group a launch's own code formed as the one to release and re-form (the
+    batch-size search of ``find_executable_batch_size``): its connections are this process's TCP
+    connections, the rendezvous store's left out (a forked rank holds no other: the launcher's
+    descriptors were closed at the fork)."""
+    import torch.distributed as dist
+
+    if _group["backend"] is None and dist.is_initialized():
+        _group.update(backend=dist.get_backend(), sockets=_new_connections({}))
+
+
 def release_group() -> str:
     """Make every collective of the pool's group fail at once, the one waiting now included.
 

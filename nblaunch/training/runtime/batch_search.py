@@ -1,0 +1,82 @@
+"""``find_executable_batch_size`` across the ranks of a launch: every rank tries the same batch
+size, and an out-of-memory error on any of them makes them all retry the next smaller one together.
+
+Each rank on its own (Accelerate's way) would hang or split: the rank that ran out of memory
+retries while the others wait for it in the all-reduce of the larger batch. Here the rank that ran
+out first lets go of the process group (``nblaunch.worker.warm.group``: its connections shut, so a
+peer waiting on it in a collective raises at once instead of waiting for ever); then every rank,
+its attempt over one way or another, votes through the rendezvous store (ok, out of memory, or
+another error). Any out-of-memory vote means every rank re-forms the group and retries with the
+next size; otherwise each rank returns its result or raises its own error. Rank 0 says the sizes
+in the cell.
+
+Example (what the decorator does on each rank)::
+
+    search = BatchSearch.here()          # None outside a launch of several ranks
+    verdicts = search.vote(attempt, "oom")
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import sys
+
+__all__ = ["BatchSearch"]
+
+_VOTE_TIMEOUT = datetime.timedelta(minutes=30)  # a rank may train a whole attempt before it votes
+_searches = itertools.count()
+
+
+class BatchSearch:
+    """One decorated call's votes among the ranks."""
+
+    def __init__(self, store: object, rank: int, world_size: int, search: int) -> None:
+        self._store = store
+        self.rank = rank
+        self._world_size = world_size
+        self._search = search
+        self.tried: list[int] = []
+
+    @classmethod
+    def here(cls) -> "BatchSearch | None":
+        """The search among this launch's ranks; None in a single process (Accelerate's way then)."""
+        import torch.distributed as dist
+
+        from nblaunch.training.runtime.state import PartialState
+
+        if not dist.is_available():
+            return None
+        if not dist.is_initialized():
+            PartialState()  # a launch of several ranks joins its group from the environment here
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, dist.get_rank(), dist.get_world_size(), next(_searches))
+
+    def ran_out(self) -> None:
+        """This rank ran out of memory: let go of the group, so peers waiting on it raise now."""
+        from nblaunch.worker.warm import group
+
+        group.adopt_group()
+        group.release_group()
+
+    def vote(self, attempt: int, outcome: str) -> dict[int, str]:
+        """Every rank's outcome of ``attempt`` ("ok", "oom" or "error"), once all voted."""
+        prefix = f"nblaunch/batch/{self._search}/{attempt}/"
+        keys = [f"{prefix}{r}" for r in range(self._world_size)]
+        self._store.set(keys[self.rank], outcome)
+        self._store.wait(keys, _VOTE_TIMEOUT)
+        return {r: self._store.get(key).decode() for r, key in enumerate(keys)}
+
+    def retry_together(self, attempt: int) -> None:
+        """Every rank, after an out-of-memory vote: a fresh group for the next attempt."""
+        from nblaunch.worker.warm import group
+
+        group.adopt_group()
+        group.release_group()
+        group.reform_group(f"batch-{self._search}-{attempt}")
+
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            print(f"nblaunch: find_executable_batch_size: {line}", file=sys.stderr, flush=True)
