@@ -80,6 +80,9 @@ class KeptInAFolder:
         return JournalReader(os.path.join(self.folder, "journal"))
 
     def outcome(self) -> tuple[str, Any] | None:
+        state = self.state()
+        if "ended" not in state and store.supervisor_alive(state):
+            return None  # store.finish writes the outcome, then the state: status is final once this returns
         try:
             with open(os.path.join(self.folder, "outcome.pkl"), "rb") as file:
                 data = file.read()
