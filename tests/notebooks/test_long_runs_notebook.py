@@ -51,6 +51,11 @@ def test_the_long_runs_notebook_carries_on_across_kernel_restarts(tmp_path):
     accuracy = everything_shown(cell(nb, "accuracy = launch.result()"))
     values = [float(v) for v in re.findall(r"0\.\d+", accuracy)]
     assert len(values) == 2 and min(values) > 0.9, accuracy
+    stopped = everything_shown(cell(nb, "timeout=5"))  # the stop: one step on every rank, saved, named
+    assert re.search(r"every rank stopped after \d+ training steps and saved its state in \S+checkpoint_0", stopped), stopped
+    resumed = everything_shown(cell(nb, "args=(1e-3,)"))
+    assert "resumed from" in resumed and "at lr 0.001" in resumed and "at lr 0.01" not in resumed, resumed
+    assert min(float(v) for v in re.findall(r"0\.\d+", resumed.split("accuracy on every rank")[-1])) > 0.8, resumed
     before = everything_shown(cell(nb, "weights = torch.randn(1000)"))
     after = everything_shown(cell(nb, "the same numbers as before the restart"))
     assert "reattached to the detached warm ranks" in after, after
