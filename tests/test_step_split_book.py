@@ -92,3 +92,19 @@ def test_a_stall_is_told_by_count_where_stacks_cannot_tell():
     assert "7th gradient sync" in verdict(stacks, 60.0, counts)
     assert counted_line({0: {"barrier": (3, 2)}, 1: {"barrier": (3, 2)}, 2: {"barrier": (2, 2)}}, {}) == (
         "ranks 0, 1 wait in their 3rd barrier; rank 2 has entered 2")
+
+
+def test_a_rank_late_by_chance_is_no_straggler_when_nothing_in_its_step_explains_it():
+    """CI's numbers: a communication-bound step on a shared CPU, rank 0 arriving 5.3 ms late (15 % of
+    its step) though its own parts take only 1.7 ms longer: the scheduler's, not a slow rank's."""
+    from nblaunch.step_split.launch_steps import RankSteps
+    from nblaunch.step_split.verdict import judge
+
+    def rank(index, compute, communication, lag):
+        return RankSteps(rank=index, count=48, step=0.035, data=0.001, compute=compute,
+                         communication=communication, optimizer=0.002, other=0.0014, arrival_lag=lag, samples=1)
+
+    chance = judge({0: rank(0, 0.0084, 0.021, 0.0053), 1: rank(1, 0.0067, 0.024, 0.0)})
+    assert chance.straggler is None and chance.cause == "communication", chance
+    slow = judge({0: rank(0, 0.0114, 0.021, 0.0053), 1: rank(1, 0.0067, 0.024, 0.0)})  # 4.7 ms more compute
+    assert slow.straggler == 0 and slow.cause == "compute", slow

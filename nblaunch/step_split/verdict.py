@@ -2,7 +2,9 @@
 
 The straggler is the rank that arrives last at the gradient sync, by a margin (``LAG_SHARE`` of
 its step, at least ``STRAGGLER_MIN_S``: ranks sharing a CPU arrive a millisecond apart by
-chance). DDP's sync evens out the step times, so the arrival lag is what names a rank slow in
+chance), and only where a part of its own step explains most of the lag (``EXPLAINED_SHARE``: a
+rank the scheduler set aside for a few milliseconds of a busy CPU is late by chance, and
+"it computes slower" would be wrong advice). DDP's sync evens out the step times, so the arrival lag is what names a rank slow in
 computing. Why it is late is the part of its step before the sync that
 exceeds the others' most: its wait for data ("data"), or its forward, backward or own code
 ("compute"). Without a straggler, a launch is slow for one reason when communication or the wait
@@ -24,6 +26,8 @@ from nblaunch.step_split.launch_steps import RankSteps, ms
 LAG_SHARE = 0.15
 STRAGGLER_MIN_S = 0.002
 SLOW_SHARE = 0.25
+EXPLAINED_SHARE = 0.5
+_OWN_PARTS = ("data", "compute", "other")  # a rank's step before the sync: what can make it late
 
 
 @dataclass(frozen=True)
@@ -54,16 +58,25 @@ def _straggler(ranks: dict[int, RankSteps]) -> int | None:
     if len(lagging) < 2:
         return None
     last = max(lagging, key=lambda r: r.arrival_lag or 0.0)
-    if (last.arrival_lag or 0.0) >= max(STRAGGLER_MIN_S, LAG_SHARE * last.step):
-        return last.rank
-    return None
+    lag = last.arrival_lag or 0.0
+    if lag < max(STRAGGLER_MIN_S, LAG_SHARE * last.step):
+        return None
+    if max(_excess(ranks, last.rank).values()) < EXPLAINED_SHARE * lag:
+        return None
+    return last.rank
+
+
+def _excess(ranks: dict[int, RankSteps], late: int) -> dict[str, float]:
+    """How much longer each part of its own step takes on rank ``late`` than the others' median."""
+    others = [r for r in ranks.values() if r.rank != late]
+    return {part: getattr(ranks[late], part) - statistics.median(getattr(o, part) for o in others)
+            for part in _OWN_PARTS}
 
 
 def _why_late(ranks: dict[int, RankSteps], late: int) -> tuple[str, str, str]:
     slow = ranks[late]
     others = [r for r in ranks.values() if r.rank != late]
-    excess = {part: getattr(slow, part) - statistics.median(getattr(o, part) for o in others)
-              for part in ("data", "compute", "other")}
+    excess = _excess(ranks, late)
     part = max(excess, key=lambda p: excess[p])
     waiting = statistics.median(o.communication for o in others)
     who = (f"rank {others[0].rank} waits" if len(others) == 1
