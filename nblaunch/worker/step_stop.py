@@ -37,6 +37,7 @@ from __future__ import annotations
 import pickle
 import signal
 import threading
+import weakref
 from typing import Any, Callable
 
 from nblaunch import wire
@@ -50,10 +51,12 @@ _NO_STOP: dict[str, Any] = {"hold_at": None, "stop_at": None, "pending": False, 
 _state: dict[str, Any] = {"running": False, "call_id": 0, "steps": 0, "keeps_work": False, "first_done": False,
                           **_NO_STOP}
 _go_on = threading.Event()
-# The training side's saver: (steps, announce) -> the checkpoint's folder; it calls announce(folder)
-# before it writes, so the cell can say where it saves while it does.
-_keeper: list[Callable[[int, Callable[[str], None]], str]] = []
-_first_step: list[Callable[[], object]] = []  # the training side's resume, before the first step
+# The training side's hooks, as weak references to bound methods of its Accelerator: holding them
+# here must not keep an Accelerator (and the models it prepared) alive after the user lets it go.
+# The saver: (steps, announce) -> the checkpoint's folder; it calls announce(folder) before it
+# writes, so the cell can say where it saves while it does.
+_keeper: list[weakref.WeakMethod] = []
+_first_step: list[weakref.WeakMethod] = []  # the training side's resume, before the first step
 
 
 class CellInterrupted(KeyboardInterrupt):
@@ -76,16 +79,22 @@ def agreed_boundary(passed: list[int]) -> int | None:
 
 
 def keep_work_with(keeper: Callable[[int, Callable[[str], None]], str]) -> None:
-    """The training side's saver, called at the stop with the steps taken and a function to call
-    with the folder before writing; returns where it saved (the Accelerator registers its own
-    when it is made: one per process)."""
-    _keeper[:] = [keeper]
+    """The training side's saver, a bound method, called at the stop with the steps taken and a
+    function to call with the folder before writing; returns where it saved (the Accelerator
+    registers its own when it is made: one per process). Held weakly."""
+    _keeper[:] = [weakref.WeakMethod(keeper)]
 
 
 def before_first_step(hook: Callable[[], object]) -> None:
-    """Run ``hook()`` once, at the rank's first boundary or step end (the Accelerator's resume)."""
-    _first_step[:] = [hook]
+    """Run ``hook()``, a bound method, once, at the rank's first boundary or step end (the
+    Accelerator's resume). Held weakly."""
+    _first_step[:] = [weakref.WeakMethod(hook)]
     _state["first_done"] = False
+
+
+def _hook(hooks: list[weakref.WeakMethod]) -> Callable | None:
+    """The registered hook, or None when none was or its Accelerator is gone."""
+    return hooks[0]() if hooks else None
 
 
 def install() -> None:
@@ -120,7 +129,7 @@ def step_boundary() -> None:
         stop = _state["stop_at"] is not None and _state["steps"] >= _state["stop_at"] and _state["running"]
         if stop:
             _state["stop_at"] = None
-            if _state["keeps_work"] and _keeper:
+            if _state["keeps_work"] and _hook(_keeper) is not None:
                 _state["pending"] = True  # this step is finished first
                 _state["pending_for"] = _state["fed_by"]  # its loader: the loop's body ends when it is read again
                 return
@@ -162,15 +171,18 @@ def interrupt(request: tuple) -> None:
 
 
 def _first_step_once() -> None:
-    if not _state["first_done"] and _first_step:
-        _state["first_done"] = True
-        _first_step[0]()
+    if not _state["first_done"]:
+        hook = _hook(_first_step)
+        if hook is not None:
+            _state["first_done"] = True
+            hook()
 
 
 def _stop_keeping_work() -> None:
     _state.update(_NO_STOP)
     steps = _state["steps"]
-    checkpoint = _keeper[0](steps, lambda folder: channel.send(wire.SAVING, pickle.dumps((steps, folder))))
+    keeper = _hook(_keeper)  # alive: its Accelerator drives the loop that reached this step
+    checkpoint = keeper(steps, lambda folder: channel.send(wire.SAVING, pickle.dumps((steps, folder))))
     raise RunStopped(steps, checkpoint)  # every rank at once: saving has collectives of its own
 
 

@@ -225,3 +225,17 @@ def _frozen_and_twice():
 
 def test_ddp_only_for_trainable_models(launch):
     assert launch(_frozen_and_twice) == [("Linear", True)] * 2
+
+
+def test_an_accelerator_let_go_frees_what_it_prepared():
+    """The stop at a common step and resume= hook into each Accelerator as it is made: a kernel that
+    drops its Accelerator and model must get their memory back (a GPU's, on a real device)."""
+    import gc
+    import weakref
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    held = weakref.ref(accelerator), weakref.ref(model)
+    del accelerator, model
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]
