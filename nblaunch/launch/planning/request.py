@@ -199,17 +199,15 @@ def _checked_resume(resume: Any, num_processes: int | None, num_nodes: int | Non
         raise LaunchConfigError(f"resume={os.fspath(resume)!r}: no such folder. Give a folder save_state wrote "
                                 "(the cell of an interrupted launch names it), or resume=True for the latest")
     # Deferred: the training side imports torch, which a launch that resumes nothing never needs here.
-    from nblaunch.training.checkpoint import completeness
+    from nblaunch.training.checkpoint import completeness, resume as resuming
 
     try:
-        completeness.check_complete(folder)
-    except completeness.IncompleteCheckpointError as error:
+        if num_processes is None:  # one per GPU, counted later: the ranks check the count as they load
+            completeness.check_complete(folder)
+        else:  # the ranks' own check, here before any process starts
+            resuming.check_resumable(folder, num_processes * (num_nodes or 1))
+    except ValueError as error:  # IncompleteCheckpointError is one
         raise LaunchConfigError(str(error)) from None
-    saved = completeness.saved_by(folder)
-    if saved is not None and num_processes is not None and saved != num_processes * (num_nodes or 1):
-        raise LaunchConfigError(
-            f"resume={folder!r} was saved by {saved} processes and this launch starts {num_processes * (num_nodes or 1)}: "
-            f"each rank's data position and random states are its own. Launch with num_processes={saved} to resume it")
     return folder
 
 

@@ -8,7 +8,7 @@ step: one rule for both, so what an interrupt saved is what the next launch find
   folder, named after the function), ``checkpoint_<n>`` there; the latest is resumed.
 
 ``resume=PATH`` loads that folder. Every folder is checked whole (``completeness``) and saved by
-as many processes as this launch has before anything is loaded: the data positions and random
+as many processes as this launch starts before anything is loaded: the data positions and random
 states are per rank, so another count would not continue the same run.
 
 Example (what the Accelerator does at the rank's first step)::
@@ -72,6 +72,6 @@ def check_resumable(folder: str, num_processes: int) -> None:
     saved = completeness.saved_by(folder)
     if saved is not None and saved != num_processes:
         raise ValueError(
-            f"checkpoint {folder} was saved by {saved} processes and this launch has {num_processes}: each rank's "
+            f"checkpoint {folder} was saved by {saved} processes and this launch starts {num_processes}: each rank's "
             "data position and random states are its own, so another count would not continue the same run. "
             f"Launch with num_processes={saved} to resume it (or load its weights alone into a new run)")
