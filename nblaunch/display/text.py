@@ -135,8 +135,10 @@ class TextDisplay:
             self._print(f"nblaunch: {event.line}", "stderr")
         elif isinstance(event, RanksPlaced):
             self._print(f"nblaunch: {event.line}")
-        elif isinstance(event, (ClusterWaiting, LaunchStopping)):
-            self._print(f"nblaunch: {event.line}", "stderr" if isinstance(event, LaunchStopping) else "stdout")
+        elif isinstance(event, ClusterWaiting):
+            self._print(f"nblaunch: {event.line}")
+        elif isinstance(event, LaunchStopping):
+            self._print(f"nblaunch: {event.line}", "stderr")
         elif isinstance(event, LaunchFinished):
             for rank, (values, step) in sorted(self._last_metrics.items()):
                 self._print_metrics(rank, values, step)  # the latest values are never skipped

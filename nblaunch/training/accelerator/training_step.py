@@ -37,7 +37,7 @@ class TrainingStepMethods(AcceleratorHost):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled under fp16; under
         DeepSpeed the engine's backward, and its step at the end of an accumulation window."""
-        step_stop.step_boundary()  # an interrupted warm cell stops here, on every rank at the same step
+        step_stop.step_boundary()  # an interrupt stops every rank here, at the same step (a warm cell, a launch)
         steps = self.gradient_state.num_steps
         if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps
