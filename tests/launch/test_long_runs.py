@@ -47,7 +47,9 @@ def interrupt_then_resume(tmp_path: Path, *options: str) -> tuple[str, str]:
     found = re.search(r"every rank stopped after (\d+) training steps and saved its state in (\S+);", said)
     assert found, said
     steps, folder = int(found[1]), found[2]
-    assert 15 <= steps <= 17  # the step the interrupt found, or the next: one common step
+    # The step the interrupt found, or one soon after (steps after it take 50 ms: a quarter second
+    # for a loaded machine to schedule the launcher), and the same one on every rank.
+    assert 15 <= steps <= 20
     assert folder == str(tmp_path / "stopped" / "checkpoints" / "checkpoint_0")
     for rank in (0, 1):  # every rank says the same step and folder
         assert f"[rank {rank}] stopped: stopped after {steps} training steps; its state is saved in {folder}" in said

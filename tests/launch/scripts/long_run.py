@@ -33,8 +33,9 @@ class EndlessSave:
 
 
 def train(project_dir: str, stop_at: int, fsdp: bool, marker: str | None = None, endless_save: bool = False):
-    """``marker``: a file rank 0 writes at step 15, after which each step takes 50 ms longer (a
-    kernel's interrupt, sent when the file appears, then lands a step or two later)."""
+    """``marker``: a file rank 0 writes at step 15 (a kernel's interrupt is sent when it appears).
+    After the interrupt (``stop_at`` or the marker) each step takes 50 ms longer, so that it lands
+    a step or two later whatever else the machine runs."""
     plugin = {}
     if fsdp:
         from nblaunch.utils import FullyShardedDataParallelPlugin
@@ -62,8 +63,10 @@ def train(project_dir: str, stop_at: int, fsdp: bool, marker: str | None = None,
             os.kill(os.getppid(), signal.SIGINT)  # the launcher: this script
         if marker is not None and steps == 15 and accelerator.is_main_process:
             open(marker, "w").close()
-        if marker is not None and steps >= 15:
-            time.sleep(0.05)  # a slower step's stand-in: the interrupt finds the ranks training
+        if (marker is not None and steps >= 15) or 0 < stop_at <= steps:
+            # A real step's length (these take a few ms): the launcher, scheduled late on a busy
+            # machine, passes the interrupt on within a step or so of real training, not five tiny ones.
+            time.sleep(0.05)
     weights = accelerator.get_state_dict(model)
     return steps, {name: value.clone() for name, value in weights.items()}
 
