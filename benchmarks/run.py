@@ -5,7 +5,7 @@ killed past it), so one failure or hang does not poison the others. Results go t
 ``benchmarks/results/latest.json`` and ``latest.md`` (or ``--out DIR``).
 
 Measurements: launch, ddp, loader, memory, failure, output, warm, ray, fsdp, gpu, slurm, rerun, sweep, compile,
-split (default: all).
+split, stop (default: all).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ MEASUREMENTS = {
                 "again in the same interpreter and after a restart", 900),
     "split": ("benchmarks.m_split:run", "15. The step split's cost: DDP steps/s inside a launch with the split on "
               "and off, beside raw torch and Accelerate", 420),
+    "stop": ("benchmarks.m_stop:run", "16. Stop and pick up again: a DDP run interrupted after step 30, what it "
+             "keeps and what the stop, the save and the resume cost", 420),
 }
 
 
