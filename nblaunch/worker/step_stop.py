@@ -12,9 +12,10 @@ optimizer steps. What happens there depends on the call:
 
 - a warm call raises ``CellInterrupted`` at the boundary: the pool keeps everything in memory;
 - a launch *keeps the work* (``begin_call(keeps_work=True)``, where the training side registered
-  a keeper with :func:`keep_work_with`): the step under way is finished first, and the rank stops
-  at the step's end (:func:`step_end`, which the prepared DataLoader that fed the step calls
-  before it fetches the next batch, or as it begins the next epoch after the epoch's last batch,
+  a keeper with :func:`keep_work_with`): the step under way is finished first (with gradient
+  accumulation, the rest of its window: a stop inside one would lose what it accumulated), and the
+  rank stops at the step's end (:func:`step_end`, which the prepared DataLoader the loop iterates
+  calls before it fetches the next batch, or as it begins the next epoch after the epoch's last batch,
   so that the loop's body and its end-of-epoch code run first; the next boundary if no prepared
   loader is read), where the Accelerator saves its state; then ``RunStopped`` says where, and the rank leaves without a result.
 
@@ -47,7 +48,9 @@ _HOLD_BACKSTOP_S = 60.0  # a rank held at a boundary goes on if the launcher nev
 
 _lock = threading.Lock()  # the count and the hold change together, on two threads
 # No stop asked, agreed or waiting for its step's end: how each call begins and ends.
-_NO_STOP: dict[str, Any] = {"hold_at": None, "stop_at": None, "pending": False, "fed_by": None, "pending_for": None}
+# ``window_ended``: the last step ended its gradient accumulation window (a stop waits for that).
+_NO_STOP: dict[str, Any] = {"hold_at": None, "stop_at": None, "pending": False, "pending_for": None,
+                            "window_ended": True}
 _state: dict[str, Any] = {"running": False, "call_id": 0, "steps": 0, "keeps_work": False, "first_done": False,
                           **_NO_STOP}
 _go_on = threading.Event()
@@ -115,11 +118,16 @@ def end_call() -> None:
         _state.update(_NO_STOP, running=False)
 
 
-def step_boundary() -> None:
-    """A step of training begins its backward pass: the place an interrupt may stop a rank."""
+def step_boundary(window_ends: bool = True, loader: Any = None) -> None:
+    """A step of training begins its backward pass: the place an interrupt may stop a rank.
+    ``window_ends``: this step ends its gradient accumulation window (its gradients are synced);
+    ``loader``: the prepared DataLoader the loop iterates (its next batch ends the step)."""
     _first_step_once()
-    if _state["pending"]:  # agreed at the last boundary, and no prepared loader marked the step's end
+    if _state["pending"] and _state["window_ended"]:
+        # Agreed earlier, and no prepared loader marked the end of that step (or of the window it
+        # was in): the steps before this one are whole, so stop before it.
         _stop_keeping_work()
+    _state["window_ended"] = window_ends
     with _lock:
         _state["steps"] += 1
         hold = _state["hold_at"] is not None and _state["steps"] >= _state["hold_at"]
@@ -130,16 +138,11 @@ def step_boundary() -> None:
         if stop:
             _state["stop_at"] = None
             if _state["keeps_work"] and _hook(_keeper) is not None:
-                _state["pending"] = True  # this step is finished first
-                _state["pending_for"] = _state["fed_by"]  # its loader: the loop's body ends when it is read again
+                _state["pending"] = True  # this step is finished first (its window too, with accumulation)
+                _state["pending_for"] = loader  # the loop's body ends when this loader is read again
                 return
     if stop:
         raise CellInterrupted(f"interrupted after {_state['steps'] - 1} training steps of this cell, as every rank was")
-
-
-def feeding(loader: Any) -> None:
-    """``loader`` hands out a batch (the prepared DataLoader): the steps until the next one train on it."""
-    _state["fed_by"] = loader
 
 
 def step_end(ready: bool = True, loader: Any = None) -> None:

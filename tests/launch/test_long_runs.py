@@ -40,8 +40,8 @@ def same_weights(a: Path, b: Path) -> bool:
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
-def interrupt_then_resume(tmp_path: Path, *options: str) -> tuple[str, str]:
-    stopped = run_script(tmp_path / "stopped", "--stop-at", "15", *options)
+def interrupt_then_resume(tmp_path: Path, *options: str, stop_at: int = 15) -> tuple[str, str]:
+    stopped = run_script(tmp_path / "stopped", "--stop-at", str(stop_at), *options)
     assert stopped.returncode == 130, stopped.stdout + stopped.stderr
     said = stopped.stdout + stopped.stderr
     found = re.search(r"every rank stopped after (\d+) training steps and saved its state in (\S+);", said)
@@ -49,7 +49,7 @@ def interrupt_then_resume(tmp_path: Path, *options: str) -> tuple[str, str]:
     steps, folder = int(found[1]), found[2]
     # The step the interrupt found, or one soon after (steps after it take 50 ms: a quarter second
     # for a loaded machine to schedule the launcher), and the same one on every rank.
-    assert 15 <= steps <= 20
+    assert stop_at <= steps <= stop_at + 5
     assert folder == str(tmp_path / "stopped" / "checkpoints" / "checkpoint_0")
     for rank in (0, 1):  # every rank says the same step and folder
         assert f"[rank {rank}] stopped: stopped after {steps} training steps; its state is saved in {folder}" in said
@@ -70,6 +70,13 @@ def test_sigint_to_a_script_saves_at_one_step_and_a_new_process_resumes_to_the_u
 def test_the_same_through_fsdp(tmp_path):
     folder, _ = interrupt_then_resume(tmp_path, "--fsdp")
     assert os.path.isdir(os.path.join(folder, "pytorch_model_fsdp_0"))  # FSDP's own sharded layout
+
+
+def test_with_gradient_accumulation_the_stop_finishes_the_window_and_resumes_to_the_same_weights(tmp_path):
+    # A stop inside a window would lose the gradients it accumulated, and the weights would differ.
+    _, said = interrupt_then_resume(tmp_path, "--accumulate", "4", stop_at=13)  # the step agreed is inside one
+    steps = int(re.search(r"every rank stopped after (\d+) training steps", said)[1])
+    assert steps % 4 == 0, said  # at a window's end
 
 
 def test_a_second_interrupt_while_saving_stops_at_once_and_the_unfinished_checkpoint_is_refused(tmp_path):
@@ -283,7 +290,7 @@ def test_a_detached_launch_keeps_the_work_for_whoever_attaches_and_resumes_detac
     assert all(torch.equal(weights, saved) for _, weights in resumed)  # what the stop saved, on every rank
 
 
-def search_batch_size():
+def search_batch_size(error: str = "CUDA out of memory. Tried to allocate 2.00 GiB", fits: int = 64):
     from nblaunch import Accelerator
     from nblaunch.utils import find_executable_batch_size
 
@@ -301,8 +308,8 @@ def search_batch_size():
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         for i, batch in enumerate(loader):
             out = model(batch)
-            if accelerator.process_index == 1 and batch_size > 64 and i == 1:  # after one all-reduce
-                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            if accelerator.process_index == 1 and batch_size > fits and i == 1:  # after one all-reduce
+                raise RuntimeError(error)
             accelerator.backward(out.sum())
             optimizer.step()
         return batch_size
@@ -319,3 +326,16 @@ def test_find_executable_batch_size_makes_every_rank_retry_the_same_size_togethe
     said = said.out + said.err
     assert "out of memory at batch size 256 on rank 1: every rank retries with 128" in said
     assert "every rank trained with batch size 64 (tried 256, 128, 64)" in said
+
+
+def test_another_error_during_the_search_ends_the_launch_at_once_naming_its_rank():
+    began = time.monotonic()
+    with pytest.raises(RankFailedError, match="a bug of the user's") as failed:
+        nblaunch.notebook_launcher(search_batch_size, args=("a bug of the user's",), num_processes=2, display="none")
+    assert time.monotonic() - began < 30  # rank 0 waited in the all-reduce of 256: let go, no hang
+    assert failed.value.root_cause.rank == 1, failed.value
+
+
+def test_a_search_that_needs_more_sizes_than_a_launch_can_try_says_where_to_start():
+    with pytest.raises(RankFailedError, match=r"every size it tried \(256, 128, 64, 32, 16\).*starting_batch_size=8"):
+        nblaunch.notebook_launcher(search_batch_size, args=("CUDA out of memory.", 4), num_processes=2, display="none")

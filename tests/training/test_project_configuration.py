@@ -121,3 +121,42 @@ def test_folders_of_ones_own_among_the_checkpoints_are_never_counted_pruned_or_l
     _prepared(fresh)
     with pytest.raises(ValueError, match="checkpoint_1 exists, and this save would be checkpoint_0"):
         fresh.save_state()  # a new run that did not load: its save would hide below the newest
+
+
+class FailingSave:
+    """Checkpointed with the model; gathering its state fails (a full disk, a kernel dying)."""
+
+    def state_dict(self):
+        raise OSError("No space left on device")
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_save_cut_short_under_total_limit_keeps_the_last_whole_checkpoint(tmp_path):
+    accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                                  automatic_checkpoint_naming=True, total_limit=1))
+    _prepared(accelerator)
+    accelerator.save_state()
+    accelerator.register_for_checkpointing(FailingSave())
+    with pytest.raises(OSError, match="No space left"):
+        accelerator.save_state()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]  # 0 is still whole
+    resumed = Accelerator(project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                              automatic_checkpoint_naming=True))
+    _prepared(resumed)
+    with pytest.raises(Exception, match="checkpoint_1 is incomplete"):
+        resumed.load_state()  # the newest, cut short, is refused ...
+    resumed.load_state(str(tmp_path / "checkpoints" / "checkpoint_0"))  # ... and the whole one loads
+
+
+def test_loading_an_older_checkpoint_numbers_the_next_save_after_the_newest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    accelerator = Accelerator(project_config=ProjectConfiguration(project_dir="run", automatic_checkpoint_naming=True))
+    _prepared(accelerator)
+    for _ in range(3):
+        accelerator.save_state()
+    resumed = Accelerator(project_config=ProjectConfiguration(project_dir="run", automatic_checkpoint_naming=True))
+    _prepared(resumed)
+    resumed.load_state(str(tmp_path / "run" / "checkpoints" / "checkpoint_1"))  # an absolute path, as resume= gives
+    assert resumed.save_state() == os.path.join("run", "checkpoints", "checkpoint_3")

@@ -43,7 +43,7 @@ class PersistenceMethods(AcceleratorHost):
                               f"/checkpoints, not {os.fspath(path)}", stacklevel=3)
             if saving:
                 target = naming.next_checkpoint(config, self.is_main_process)
-                self.wait_for_everyone()  # the oldest are removed before anyone writes
+                self.wait_for_everyone()  # its parent is made before anyone writes
                 return target
             if path is None:
                 return naming.latest_checkpoint(config)
@@ -71,6 +71,8 @@ class PersistenceMethods(AcceleratorHost):
         config = self.project_configuration
         if config.automatic_checkpoint_naming and naming.number_of(directory) == config.iteration:
             config.iteration += 1
+            if self.is_main_process:
+                naming.prune_before(config, directory)  # only now that it is whole
         return directory
 
     def _save_at_stop(self, steps: int, announce: Callable[[str], None]) -> str:
@@ -121,10 +123,11 @@ class PersistenceMethods(AcceleratorHost):
         self._resumed = True  # resume= then loads nothing more
         config = self.project_configuration
         loaded = naming.number_of(directory) if config.automatic_checkpoint_naming else None
-        if loaded is not None and os.path.dirname(os.path.normpath(directory)) == os.path.join(
-                os.path.normpath(config.project_dir), "checkpoints"):
-            # The next save is numbered after the loaded one (Accelerate would start at 0 again and refuse).
-            config.iteration = max(config.iteration, loaded + 1)
+        if loaded is not None and os.path.realpath(os.path.dirname(os.path.normpath(directory))) == os.path.realpath(
+                os.path.join(config.project_dir, "checkpoints")):
+            # The next save is numbered after the newest there (Accelerate would start at 0 again and
+            # refuse): the loaded one, or a newer one not loaded (a save a dying kernel left unfinished).
+            config.iteration = max(config.iteration, naming.number_after_the_newest(config))
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Also save/load these objects (each needs ``state_dict`` and ``load_state_dict``)."""

@@ -37,7 +37,10 @@ class TrainingStepMethods(AcceleratorHost):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled under fp16; under
         DeepSpeed the engine's backward, and its step at the end of an accumulation window."""
-        step_stop.step_boundary()  # an interrupt stops every rank here, at the same step (a warm cell, a launch)
+        # An interrupt stops every rank at the same step (a warm cell, a launch); a launch finishes
+        # the accumulation window and the loop's body first.
+        gradient_state = self.gradient_state
+        step_stop.step_boundary(gradient_state.sync_gradients, gradient_state.active_dataloader)
         steps = self.gradient_state.num_steps
         if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps

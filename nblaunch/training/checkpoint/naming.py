@@ -15,7 +15,7 @@ import warnings
 
 from nblaunch.training.options.project import ProjectConfiguration
 
-__all__ = ["next_checkpoint", "latest_checkpoint", "number_of"]
+__all__ = ["next_checkpoint", "prune_before", "latest_checkpoint", "number_of", "number_after_the_newest"]
 
 
 def _checkpoints_dir(config: ProjectConfiguration) -> str:
@@ -40,9 +40,9 @@ def _numbered(parent: str) -> list[tuple[int, str]]:
 
 
 def next_checkpoint(config: ProjectConfiguration, is_main_process: bool) -> str:
-    """The directory the next ``save_state()`` writes. The main process first removes the oldest
-    checkpoints so that, with the new one, ``total_limit`` are kept; the caller waits for it
-    before writing."""
+    """The directory the next ``save_state()`` writes (the main process makes its parent; the
+    caller waits for it before writing). The oldest beyond ``total_limit`` go only once it is
+    complete (:func:`prune_before`): a save cut short must not have cost the last whole one."""
     parent = _checkpoints_dir(config)
     target = os.path.join(parent, f"checkpoint_{config.iteration}")
     existing = _numbered(parent)
@@ -53,13 +53,28 @@ def next_checkpoint(config: ProjectConfiguration, is_main_process: bool) -> str:
                          f"accelerator.project_configuration.iteration = {existing[-1][0] + 1}")
     if is_main_process:
         os.makedirs(parent, exist_ok=True)
-        if config.total_limit is not None and len(existing) + 1 > config.total_limit:
-            doomed = existing[:len(existing) + 1 - config.total_limit]
-            warnings.warn(f"total_limit={config.total_limit}: removing {', '.join(path for _, path in doomed)}",
-                          stacklevel=3)
-            for _, path in doomed:
-                shutil.rmtree(path)
     return target
+
+
+def prune_before(config: ProjectConfiguration, saved: str) -> None:
+    """After ``saved`` is complete: remove the oldest checkpoints so that ``total_limit`` are kept
+    (the main process calls it)."""
+    if config.total_limit is None:
+        return
+    existing = [(n, path) for n, path in _numbered(_checkpoints_dir(config))
+                if n <= (number_of(saved) or 0)]  # never one newer than the save just made
+    doomed = existing[:max(0, len(existing) - config.total_limit)]
+    if doomed:
+        warnings.warn(f"total_limit={config.total_limit}: removing {', '.join(path for _, path in doomed)}",
+                      stacklevel=4)
+    for _, path in doomed:
+        shutil.rmtree(path)
+
+
+def number_after_the_newest(config: ProjectConfiguration) -> int:
+    """One more than the newest ``checkpoint_<n>`` under ``project_dir/checkpoints`` (0: none)."""
+    existing = _numbered(_checkpoints_dir(config))
+    return existing[-1][0] + 1 if existing else 0
 
 
 def latest_checkpoint(config: ProjectConfiguration) -> str:

@@ -220,7 +220,6 @@ class PreparedDataLoader(DataLoader):
                     batch = feed(batch)
                 if clock is not None:
                     clock.waited_for_data(began, batch)  # from asking for the batch to having it here
-                step_stop.feeding(self)
                 yield batch
 
 

@@ -55,7 +55,8 @@ class BatchSearch:
         return cls(store, dist.get_rank(), dist.get_world_size(), next(_searches))
 
     def ran_out(self) -> None:
-        """This rank ran out of memory: let go of the group, so peers waiting on it raise now."""
+        """This rank's attempt raised (out of memory, or another error): let go of the group, so
+        peers waiting on it in a collective raise now and vote."""
         from nblaunch.worker.warm import group
 
         group.adopt_group()
@@ -75,6 +76,11 @@ class BatchSearch:
 
         group.adopt_group()
         group.release_group()
+        if group.reforms_left() == 0:
+            raise RuntimeError(
+                f"find_executable_batch_size ran out of memory at every size it tried ({', '.join(map(str, self.tried))}) "
+                f"and cannot try another: a launch's process group can be re-formed {group.REFORMS} times. Start "
+                f"lower, at starting_batch_size={self.tried[-1] // 2} or below")
         group.reform_group(f"batch-{self._search}-{attempt}")
 
     def say(self, line: str) -> None:

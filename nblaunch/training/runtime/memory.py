@@ -94,7 +94,9 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
                 failure, outcome = error, ("oom" if _out_of_memory(error) else "error")
                 if outcome == "oom":
                     release_memory()
-                    search.ran_out()  # a peer waiting on this rank in a collective raises now
+                # A peer waiting on this rank in a collective raises now (it would wait for ever),
+                # and votes; another error than out of memory then ends the launch as without the search.
+                search.ran_out()
             verdicts = search.vote(attempt, outcome)
             short = sorted(r for r, verdict in verdicts.items() if verdict == "oom")
             if not short:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from nblaunch.contract import variables as v
 
 _SPARE_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL")  # backend types a CPU group never uses itself
+REFORMS = len(_SPARE_TYPES)  # how often one group can be re-formed
 _REFORM_TIMEOUT = datetime.timedelta(minutes=30)  # gloo's default for a collective
 _group: dict[str, Any] = {"sockets": [], "reformed": 0, "backend": None, "released": False}
 
@@ -105,6 +106,11 @@ def reform_group(generation: int) -> None:
     kind = getattr(ProcessGroup.BackendType, _SPARE_TYPES[_group["reformed"]])
     group._register_backend(torch.device("cpu"), kind, fresh)  # CPU collectives now dispatch to it
     _group.update(reformed=_group["reformed"] + 1, sockets=_new_connections(before), released=False)
+
+
+def reforms_left() -> int:
+    """How many more times the group can be re-formed."""
+    return REFORMS - _group["reformed"]
 
 
 def _answered_by_the_pool(dist: Any, pool_backend: str) -> Callable[..., Any]:

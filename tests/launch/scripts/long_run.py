@@ -1,11 +1,12 @@
 """A seeded 40-step, one-pass DDP (or FSDP) run on 2 CPU ranks: shuffled DataLoader, AdamW, StepLR.
 
-    python long_run.py PROJECT_DIR [--stop-at 15] [--resume] [--fsdp] [--endless-save]
+    python long_run.py PROJECT_DIR [--stop-at 15] [--resume] [--fsdp] [--endless-save] [--accumulate 4]
 
 ``--stop-at N``: at step N rank 0 sends SIGINT to this script (its launcher), as a terminal's
 Ctrl-C would. At the end the script saves rank 0's weights in PROJECT_DIR/weights.pt and prints
 each rank's steps. ``--endless-save``: saving the state never ends (a huge model's save, in
-miniature), so that a second interrupt finds it under way.
+miniature), so that a second interrupt finds it under way. ``--accumulate N``: gradients accumulated
+over N batches (a step is a batch: 40 of them, 40 / N optimizer steps).
 """
 
 import argparse
@@ -32,7 +33,8 @@ class EndlessSave:
         pass
 
 
-def train(project_dir: str, stop_at: int, fsdp: bool, marker: str | None = None, endless_save: bool = False):
+def train(project_dir: str, stop_at: int, fsdp: bool, marker: str | None = None, endless_save: bool = False,
+          accumulate: int = 1):
     """``marker``: a file rank 0 writes at step 15 (a kernel's interrupt is sent when it appears).
     After the interrupt (``stop_at`` or the marker) each step takes 50 ms longer, so that it lands
     a step or two later whatever else the machine runs."""
@@ -42,7 +44,8 @@ def train(project_dir: str, stop_at: int, fsdp: bool, marker: str | None = None,
 
         plugin = {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)}
     accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=project_dir,
-                                                                  automatic_checkpoint_naming=True), **plugin)
+                                                                  automatic_checkpoint_naming=True),
+                              gradient_accumulation_steps=accumulate, **plugin)
     set_seed(0)
     x = torch.randn(320, 8)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
@@ -54,10 +57,11 @@ def train(project_dir: str, stop_at: int, fsdp: bool, marker: str | None = None,
         accelerator.register_for_checkpointing(EndlessSave())
     steps = 0
     for inputs, targets in loader:
-        accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
         steps += 1
         if steps == stop_at and accelerator.is_main_process:
             os.kill(os.getppid(), signal.SIGINT)  # the launcher: this script
@@ -78,10 +82,11 @@ if __name__ == "__main__":
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--endless-save", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1)
     options = parser.parse_args()
     try:
         results = nblaunch.notebook_launcher(train, args=(options.project_dir, options.stop_at, options.fsdp, None,
-                                                                     options.endless_save),
+                                                                     options.endless_save, options.accumulate),
                                              num_processes=2, display="text", resume=options.resume)
     except KeyboardInterrupt as interrupted:
         print(f"KEPT {interrupted.kept!r}")
