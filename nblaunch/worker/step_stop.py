@@ -17,7 +17,8 @@ optimizer steps. What happens there depends on the call:
   rank stops at the step's end (:func:`step_end`, which the prepared DataLoader the loop iterates
   calls before it fetches the next batch, or as it begins the next epoch after the epoch's last batch,
   so that the loop's body and its end-of-epoch code run first; the next boundary if no prepared
-  loader is read), where the Accelerator saves its state; then ``RunStopped`` says where, and the rank leaves without a result.
+  loader is read), where the Accelerator saves its state; then ``RunStopped`` says where, and the
+  rank leaves without a result.
 
 A call with no boundaries (no training loop) is stopped at once: each warm rank's main thread gets
 SIGINT, so a ``time.sleep`` or a slow loop raises where it is (a launch's ranks are stopped by the

@@ -28,7 +28,10 @@ from nblaunch.launch.supervising.interrupts import counting_interrupts
 from nblaunch.worker.step_stop import agreed_boundary
 
 ANSWER_WITHIN_S = 1.0  # ranks answer from their watch thread, in milliseconds
-REACH_THE_STEP_WITHIN_S = 60.0  # from the agreed boundary to every rank saving: one step of training
+# From the agreed boundary to every rank saving: the step, the rest of the loop's body and, after
+# an epoch's last step, its end-of-epoch code (an evaluation may take minutes). The cell says that
+# a second interrupt stops at once, so a person never waits this out.
+REACH_THE_STEP_WITHIN_S = 600.0
 SAVE_WITHIN_S = 600.0  # a big model's sharded save takes a while; a second interrupt cuts it short
 STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
 _TICK_S = 0.1
@@ -91,7 +94,11 @@ class KeepingWork:
             passed = [self._steps_passed.get(r.number, 0) for r in running]
             boundary = agreed_boundary(passed)
             if boundary is None:
-                raise NotKept("" if not any(passed) else "a rank did not say where it was")
+                silent = [str(r.number) for r in running if r.number not in self._steps_passed]
+                unstarted = [str(r.number) for r, n in zip(running, passed) if not n]
+                raise NotKept("" if not any(passed) else
+                              f"rank {', '.join(silent)} did not say where it was" if silent else
+                              f"rank {', '.join(unstarted)} had taken no training step yet: no common step to save at")
             self._emit(LaunchStopping(f"{why}: every rank finishes training step {boundary} and saves there "
                                       "(interrupt again to stop at once)"))
             for rank in running:

@@ -77,10 +77,11 @@ class BatchSearch:
         group.adopt_group()
         group.release_group()
         if group.reforms_left() == 0:
+            tried = ", ".join(map(str, self.tried))
             raise RuntimeError(
-                f"find_executable_batch_size ran out of memory at every size it tried ({', '.join(map(str, self.tried))}) "
-                f"and cannot try another: a launch's process group can be re-formed {group.REFORMS} times. Start "
-                f"lower, at starting_batch_size={self.tried[-1] // 2} or below")
+                f"find_executable_batch_size ran out of memory at every size it tried ({tried}) and cannot try "
+                f"another: a launch's process group can be re-formed {group.REFORMS} times. Start lower, at "
+                f"starting_batch_size={self.tried[-1] // 2} or below")
         group.reform_group(f"batch-{self._search}-{attempt}")
 
     def say(self, line: str) -> None:
