@@ -67,7 +67,7 @@ class KeepingWork:
             steps, folder = pickle.loads(body)
             if not self._saving:
                 self._emit(LaunchStopping(f"every rank stopped after {steps} training steps: saving their state "
-                                          f"in {folder} (interrupt again to stop without saving)"))
+                                          f"in {folder} (interrupt again to stop at once, leaving it incomplete)"))
             self._saving[rank] = folder
         elif kind == wire.STOPPED:
             self._stopped[rank] = pickle.loads(body)
