@@ -29,9 +29,9 @@ from nblaunch.worker.step_stop import agreed_boundary
 
 ANSWER_WITHIN_S = 1.0  # ranks answer from their watch thread, in milliseconds
 # From the agreed boundary to every rank saving: the step, the rest of the loop's body and, after
-# an epoch's last step, its end-of-epoch code (an evaluation may take minutes). The cell says that
-# a second interrupt stops at once, so a person never waits this out.
-REACH_THE_STEP_WITHIN_S = 600.0
+# an epoch's last step, its end-of-epoch code. Fixed, so that a stalled launch's timeout= does not
+# wait long for a step that never comes (a longer evaluation falls back to the plain stop).
+REACH_THE_STEP_WITHIN_S = 60.0
 SAVE_WITHIN_S = 600.0  # a big model's sharded save takes a while; a second interrupt cuts it short
 STACKS_ON_STOP_S = 2.0  # interrupt/timeout: the user asked where things are, wait a bit more
 _TICK_S = 0.1
