@@ -96,7 +96,7 @@ def reform_group(generation: int) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
 
-    if _group["reformed"] >= len(_SPARE_TYPES):
+    if reforms_left() == 0:
         raise RuntimeError(f"the pool's process group was re-formed {_group['reformed']} times, as often as torch "
                            "allows in one group")
     group = dist.distributed_c10d._get_default_group()
