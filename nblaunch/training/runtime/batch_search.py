@@ -6,9 +6,11 @@ retries while the others wait for it in the all-reduce of the larger batch. Here
 out first lets go of the process group (``nblaunch.worker.warm.group``: its connections shut, so a
 peer waiting on it in a collective raises at once instead of waiting for ever); then every rank,
 its attempt over one way or another, votes through the rendezvous store (ok, out of memory, or
-another error). Any out-of-memory vote means every rank re-forms the group and retries with the
-next size; otherwise each rank returns its result or raises its own error. Rank 0 says the sizes
-in the cell.
+lost: a peer let go). Any out-of-memory vote means every rank re-forms the group and retries with
+the next size; otherwise each rank returns its result or raises its own error. A rank whose
+attempt raised another error votes "error" without waiting and raises at once, the group kept, as
+without the search: its report then reaches the launcher before its peers lose it. Rank 0 says the
+sizes in the cell.
 
 Example (what the decorator does on each rank)::
 
@@ -55,7 +57,7 @@ class BatchSearch:
         return cls(store, dist.get_rank(), dist.get_world_size(), next(_searches))
 
     def ran_out(self) -> None:
-        """This rank's attempt raised (out of memory, or another error): let go of the group, so
+        """This rank's attempt ran out of memory (or lost a peer that did): let go of the group, so
         peers waiting on it in a collective raise now and vote."""
         from nblaunch.worker.warm import group
 
@@ -63,12 +65,19 @@ class BatchSearch:
         group.release_group()
 
     def vote(self, attempt: int, outcome: str) -> dict[int, str]:
-        """Every rank's outcome of ``attempt`` ("ok", "oom" or "error"), once all voted."""
-        prefix = f"nblaunch/batch/{self._search}/{attempt}/"
-        keys = [f"{prefix}{r}" for r in range(self._world_size)]
+        """Every rank's outcome of ``attempt`` ("ok", "oom", "lost" or "error"), once all voted."""
+        keys = self._keys(attempt)
         self._store.set(keys[self.rank], outcome)
         self._store.wait(keys, _VOTE_TIMEOUT)
         return {r: self._store.get(key).decode() for r, key in enumerate(keys)}
+
+    def leave(self, attempt: int) -> None:
+        """This rank raises its own error: its vote says so, and it waits for no one."""
+        self._store.set(self._keys(attempt)[self.rank], "error")
+
+    def _keys(self, attempt: int) -> list[str]:
+        prefix = f"nblaunch/batch/{self._search}/{attempt}/"
+        return [f"{prefix}{r}" for r in range(self._world_size)]
 
     def retry_together(self, attempt: int) -> None:
         """Every rank, after an out-of-memory vote: a fresh group for the next attempt."""

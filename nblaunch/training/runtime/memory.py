@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from nblaunch.training.runtime.batch_search import BatchSearch
+from nblaunch.worker.reports import caused_by_peer
 
 __all__ = ["release_memory", "find_executable_batch_size"]
 
@@ -37,6 +38,14 @@ def _out_of_memory(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or (
         isinstance(error, RuntimeError) and ("out of memory" in text.lower() or "DefaultCPUAllocator" in text))
+
+
+def _outcome_of(error: Exception) -> str:
+    """How an attempt that raised ends, for the vote: "oom" (retry smaller), "lost" (a collective
+    whose peer let go: most likely that peer ran out of memory) or "error" (the user's own)."""
+    if _out_of_memory(error):
+        return "oom"
+    return "lost" if caused_by_peer(error) else "error"
 
 
 def find_executable_batch_size(function: Callable | None = None, starting_batch_size: int = 128,
@@ -91,17 +100,21 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
             try:
                 result = function(batch_size, *args, **kwargs)
             except Exception as error:
-                failure, outcome = error, ("oom" if _out_of_memory(error) else "error")
+                failure, outcome = error, _outcome_of(error)
+                if outcome == "error":
+                    # Raised as without the search, the group kept: this rank's report reaches the
+                    # launcher before its connections close, so the launch names this rank, not a
+                    # peer that then loses it. Its vote tells peers that they cannot retry.
+                    search.leave(attempt)
+                    raise
                 if outcome == "oom":
                     release_memory()
-                # A peer waiting on this rank in a collective raises now (it would wait for ever),
-                # and votes; another error than out of memory then ends the launch as without the search.
-                search.ran_out()
+                search.ran_out()  # a peer waiting on this rank in a collective raises now, and votes
             verdicts = search.vote(attempt, outcome)
             short = sorted(r for r, verdict in verdicts.items() if verdict == "oom")
-            if not short:
+            if not short or "error" in verdicts.values():
                 if failure is not None:
-                    raise failure
+                    raise failure  # this rank lost a peer that raised its own error: nothing to retry
                 tried = ", ".join(map(str, search.tried))
                 search.say(f"every rank trained with batch size {batch_size} (tried {tried})")
                 return result
