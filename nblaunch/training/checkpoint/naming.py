@@ -32,7 +32,8 @@ def number_of(directory: str) -> int | None:
     return int(found[1]) if found else None
 
 
-def _numbered(parent: str) -> list[tuple[int, str]]:
+def numbered(parent: str) -> list[tuple[int, str]]:
+    """The ``checkpoint_<n>`` folders in ``parent`` as ``(n, path)``, oldest first ([] if none)."""
     if not os.path.isdir(parent):
         return []
     entries = [(number_of(name), os.path.join(parent, name)) for name in os.listdir(parent)]
@@ -45,7 +46,7 @@ def next_checkpoint(config: ProjectConfiguration, is_main_process: bool) -> str:
     complete (:func:`prune_before`): a save cut short must not have cost the last whole one."""
     parent = _checkpoints_dir(config)
     target = os.path.join(parent, f"checkpoint_{config.iteration}")
-    existing = _numbered(parent)
+    existing = numbered(parent)
     if existing and existing[-1][0] >= config.iteration:
         # Saving below the newest would make it the one load_state() never picks and the next prune drops.
         raise ValueError(f"{existing[-1][1]} exists, and this save would be checkpoint_{config.iteration}: call "
@@ -61,7 +62,7 @@ def prune_before(config: ProjectConfiguration, saved: str) -> None:
     (the main process calls it)."""
     if config.total_limit is None:
         return
-    existing = [(n, path) for n, path in _numbered(_checkpoints_dir(config))
+    existing = [(n, path) for n, path in numbered(_checkpoints_dir(config))
                 if n <= (number_of(saved) or 0)]  # never one newer than the save just made
     doomed = existing[:max(0, len(existing) - config.total_limit)]
     if doomed:
@@ -73,14 +74,14 @@ def prune_before(config: ProjectConfiguration, saved: str) -> None:
 
 def number_after_the_newest(config: ProjectConfiguration) -> int:
     """One more than the newest ``checkpoint_<n>`` under ``project_dir/checkpoints`` (0: none)."""
-    existing = _numbered(_checkpoints_dir(config))
+    existing = numbered(_checkpoints_dir(config))
     return existing[-1][0] + 1 if existing else 0
 
 
 def latest_checkpoint(config: ProjectConfiguration) -> str:
     """The newest ``checkpoint_<n>`` under ``project_dir/checkpoints``."""
     parent = _checkpoints_dir(config)
-    existing = _numbered(parent)
+    existing = numbered(parent)
     if not existing:
         raise FileNotFoundError(f"no checkpoint to load in {parent}: save_state() writes them there")
     return existing[-1][1]

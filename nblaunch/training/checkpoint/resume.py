@@ -32,20 +32,13 @@ def launch_folder() -> str | None:
     return os.environ.get(v.CHECKPOINTS) or None
 
 
-def _numbered(parent: str) -> list[tuple[int, str]]:
-    if not os.path.isdir(parent):
-        return []
-    entries = [(naming.number_of(name), os.path.join(parent, name)) for name in os.listdir(parent)]
-    return sorted((n, path) for n, path in entries if n is not None and os.path.isdir(path))
-
-
 def stop_folder(config: ProjectConfiguration, launch: str | None) -> str | None:
     """Where a stop saves when the Accelerator's automatic naming does not decide (None: it does)."""
     if config.project_dir is not None:
         return None if config.automatic_checkpoint_naming else os.path.join(config.project_dir, "checkpoint")
     if launch is None:
         raise ValueError("nowhere to save: give Accelerator(project_dir=...)")
-    existing = _numbered(launch)
+    existing = naming.numbered(launch)
     return os.path.join(launch, f"checkpoint_{existing[-1][0] + 1 if existing else 0}")
 
 
@@ -57,11 +50,11 @@ def to_resume(asked: str, config: ProjectConfiguration, launch: str | None) -> s
         return asked
     if config.project_dir is not None:
         if config.automatic_checkpoint_naming:
-            found = _numbered(os.path.join(config.project_dir, "checkpoints"))
+            found = naming.numbered(os.path.join(config.project_dir, "checkpoints"))
             return found[-1][1] if found else None
         single = os.path.join(config.project_dir, "checkpoint")
         return single if os.path.isdir(single) else None
-    found = _numbered(launch) if launch is not None else []
+    found = naming.numbered(launch) if launch is not None else []
     return found[-1][1] if found else None
 
 
