@@ -146,14 +146,14 @@ def step_boundary(window_ends: bool = True, loader: Any = None) -> None:
         raise CellInterrupted(f"interrupted after {_state['steps'] - 1} training steps of this cell, as every rank was")
 
 
-def step_end(ready: bool = True, loader: Any = None) -> None:
+def step_end(loader: Any = None) -> None:
     """The step before is over (``loader``, a prepared DataLoader, is asked for its next batch, or
     begins an epoch): a launch agreed to stop stops here, if ``loader`` fed that step. Another
-    loader (an evaluation inside the loop's body) does not stop it: the body ends first.
-    ``ready`` False inside a gradient accumulation window: the stop waits for the window's end,
-    so the gradients accumulated so far are not lost."""
+    loader (an evaluation inside the loop's body) does not stop it: the body ends first. Inside a
+    gradient accumulation window (the last boundary said its step did not end one) the stop waits
+    for the window's end, so the gradients accumulated so far are not lost."""
     _first_step_once()
-    if _state["pending"] and ready and (loader is None or _state["pending_for"] in (None, loader)):
+    if _state["pending"] and _state["window_ended"] and (loader is None or _state["pending_for"] in (None, loader)):
         _stop_keeping_work()
 
 

@@ -41,7 +41,7 @@ class TrainingStepMethods(AcceleratorHost):
         # the accumulation window and the loop's body first.
         gradient_state = self.gradient_state
         step_stop.step_boundary(gradient_state.sync_gradients, gradient_state.active_dataloader)
-        steps = self.gradient_state.num_steps
+        steps = gradient_state.num_steps
         if steps > 1 and self._strategy.divides_loss():
             loss = loss / steps
         clock = step_clock.current()

@@ -148,7 +148,7 @@ class PreparedDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         # Before the epoch starts: a resume loads its position here, and a launch agreed to stop
         # after the last epoch's last step stops here, its end-of-epoch code run, this loader between epochs.
-        step_stop.step_end(ready=self._gradient_state.step == 0, loader=self)
+        step_stop.step_end(loader=self)
         skip = self._start_epoch()
         shard = self._shard
         index_skip = skip > 0 and shard is not None and shard.skip_first(skip)
@@ -203,10 +203,9 @@ class PreparedDataLoader(DataLoader):
             clock = step_clock.current()
             batches = marking_last(iterator, length, skip)
             count = skip
-            gradient_state = self._gradient_state
             while True:
                 if count > skip and not progress.end:  # the step the last batch fed is over: a launch agreed
-                    step_stop.step_end(ready=gradient_state.step == 0, loader=self)  # to stop stops here
+                    step_stop.step_end(loader=self)  # to stop stops here
                 began = time.perf_counter()
                 found = next(batches, None)
                 if found is None:
