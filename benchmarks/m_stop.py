@@ -12,6 +12,7 @@ the first batch in hand (the load happens there) against a fresh start's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,14 +32,14 @@ HIDDEN = 2048
 
 def _note(out_dir: str, name: str, value) -> None:
     with open(os.path.join(out_dir, name), "w") as f:
-        f.write(repr(value))
+        json.dump(value, f)
 
 
 def _read(out_dir: str, name: str):
     try:
         with open(os.path.join(out_dir, name)) as f:
-            return eval(f.read())  # noqa: S307 - a number this module wrote
-    except (OSError, SyntaxError):
+            return json.load(f)
+    except (OSError, ValueError):  # not written yet, or cut short by the kill
         return None
 
 
