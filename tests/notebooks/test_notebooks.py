@@ -304,7 +304,9 @@ def test_a_starved_rank_is_named_and_dataloader_workers_fix_it(went_wrong):
     assert "rank 1 holds the others up: it waits" in text(summary(starved))
     assert re.fullmatch(r"straggler: rank 1, cause: data; rank 1 waits \d+ ms a step for data\n", stream(starved))
     fed = cell(went_wrong, "fed = nblaunch.last_steps()")
-    before, after = map(int, re.fullmatch(r"straggler: None; (\d+) -> (\d+) samples/s\n", stream(fed)).groups())
+    said = re.fullmatch(r"straggler: None; (\d+) -> (\d+) samples/s\n", stream(fed))
+    assert said, stream(fed) + text(summary(fed))  # what the cell printed, and its summary's verdict
+    before, after = map(int, said.groups())
     assert after > 2 * before, stream(fed)
 
 
